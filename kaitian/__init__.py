@@ -1,0 +1,43 @@
+"""kaitian: heterogeneous data-parallel training for PyTorch.
+
+``import kaitian`` registers the ``"kaitian"`` distributed backend. The rest of
+the public API is loaded on first use, so the launcher stays quick to start.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kaitian.backend import register_backend as _register_backend
+
+__version__ = "0.1.0"
+
+_register_backend()
+
+# public name -> module that defines it
+_LAZY = {
+    "device": "kaitian.device",
+    "set_device": "kaitian.device",
+    "local_device_count": "kaitian.device",
+    "manual_seed": "kaitian.device",
+    "DistributedSampler": "kaitian.sampler",
+    "optimize_batch_size": "kaitian.sampler",
+    "DistributedDataParallel": "kaitian.parallel",
+    "Rebalancer": "kaitian.rebalance",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kaitian' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))
