@@ -1,0 +1,96 @@
+"""The contract between the elastic agent and a worker runtime.
+
+The agent decides *what* to run (ranks, environment, devices); a runtime
+decides *where*: local subprocesses, or ``docker exec`` inside per-vendor
+containers. A runtime returns torch's ``PContext`` so the agent monitors,
+collects error files and stops workers the same way for every runtime.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext
+
+__all__ = ["WorkerLaunch", "RunContext", "Runtime"]
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """Where and on what one local worker runs.
+
+    Attributes:
+        local_rank: rank on this node.
+        global_rank: rank in the world.
+        device_type: vendor device type (``cuda``, ``mlu``, ``cpu``).
+        device_index: the device's index on this host (CPU: the slot index).
+        group: the worker's kaitian group (``KAITIAN_GROUP``); one container per group.
+        cpus: cores the worker is pinned to (empty: no pinning).
+        cpu_quota: CPU time the worker's group may use, in cores (``None``: no
+            limit). Used to simulate slower devices on a CPU-only host.
+    """
+
+    local_rank: int
+    global_rank: int
+    device_type: str
+    device_index: Optional[int]
+    group: str
+    cpus: Tuple[int, ...] = ()
+    cpu_quota: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a runtime needs to know about the whole run on this node.
+
+    Attributes:
+        run_id: the rendezvous run id (labels containers, names cgroups).
+        run_dir: this node's run directory (``KAITIAN_RUN_DIR``), owner-only.
+        log_dir: torchrun's ``--log-dir`` base, or ``None``.
+        cwd: the user's working directory.
+        options: runtime-specific options from the command line
+            (docker: ``images``, ``keep_containers``, ``volumes``, ``shm_size``).
+    """
+
+    run_id: str
+    run_dir: str
+    log_dir: Optional[str]
+    cwd: str
+    options: Dict[str, object] = field(default_factory=dict)
+
+
+class Runtime(abc.ABC):
+    """Starts the workers of one node; owns whatever they run inside."""
+
+    name: str = ""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def start(
+        self,
+        *,
+        name: str,
+        entrypoint: str,
+        args: Dict[int, Tuple],
+        envs: Dict[int, Dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: Optional[Dict[int, str]],
+        start_method: str,
+        workers: Dict[int, WorkerLaunch],
+    ) -> PContext:
+        """Starts one worker per local rank and returns their ``PContext``.
+
+        Called once per (re)start of the worker group; keyed by local rank.
+        """
+
+    def shutdown(self) -> None:
+        """Releases everything the run created (containers, cgroups). Idempotent."""
+
+    @classmethod
+    def collect_stale(cls) -> List[str]:
+        """Removes what agents that were killed left behind; returns what it removed."""
+        return []
