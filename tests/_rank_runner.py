@@ -1,0 +1,164 @@
+"""Starts the ranks of one simulated heterogeneous layout as subprocesses.
+
+Shared by the collective-matrix and DDP tests: a *layout* such as ``"2+1"``
+means two ranks in group ``cpu0`` and one in ``cpu1``; every rank gets the
+environment ``kaitianrun --cpu-groups`` would give it (``KAITIAN_GROUP``,
+``KAITIAN_DEVICE_TYPE``, ``KAITIAN_RUN_DIR``) plus any extra variables.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["Layout", "RankRun", "run_ranks", "free_port", "shm_segments"]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks per simulated vendor group, plus transport settings.
+
+    Attributes:
+        spec: ``"2+1"`` style: number of ranks in each group, in rank order.
+        env: extra environment for every rank (``KAITIAN_BRIDGE`` …).
+        kaitian_env: give ranks the ``KAITIAN_*`` variables kaitianrun sets;
+            ``False`` is the plain-torchrun case (group = device type).
+        core_only: run only the reduced matrix (transport variants).
+    """
+
+    spec: str
+    env: tuple = ()
+    kaitian_env: bool = True
+    core_only: bool = False
+
+    @property
+    def groups(self) -> List[str]:
+        out: List[str] = []
+        for i, n in enumerate(self.spec.split("+")):
+            out += [f"cpu{i}" if self.kaitian_env else "cpu"] * int(n)
+        return out
+
+    @property
+    def world_size(self) -> int:
+        return len(self.groups)
+
+    @property
+    def id(self) -> str:
+        extra = ",".join(f"{k.replace('KAITIAN_', '').lower()}={v}" for k, v in self.env)
+        plain = "" if self.kaitian_env else ",torchrun-env"
+        return self.spec + (f"[{extra}{plain}]" if extra or plain else "")
+
+
+@dataclass
+class RankRun:
+    """What the ranks of one run left behind."""
+
+    returncodes: List[Optional[int]]
+    logs: List[str]
+    outs: List[str]
+    timed_out: bool
+    seconds: float
+    workdir: str = ""
+    leftover_shm: List[str] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_segments() -> set:
+    """Names in /dev/shm that look like kaitian's."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if "kaitian" in n.lower() or n.startswith("kt")}
+    except FileNotFoundError:
+        return set()
+
+
+def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Optional[str] = None) -> RankRun:
+    """Runs ``python argv... --rank R --world-size W --groups ... --init-method ... --out F`` per rank.
+
+    Args:
+        layout: the layout to start.
+        argv: script and arguments common to every rank.
+        timeout: seconds before every rank is killed.
+        workdir: where outputs and the run directory go (a fresh temp dir by default).
+
+    Returns:
+        The per-rank return codes, logs and output files.
+    """
+    workdir = workdir or tempfile.mkdtemp(prefix="kt-test-")
+    run_dir = os.path.join(workdir, "run")
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    before = shm_segments()
+    port = free_port()
+    groups = layout.groups
+    procs, logs, outs = [], [], []
+    start = time.monotonic()
+    for rank, group in enumerate(groups):
+        env = dict(os.environ)
+        for key in [k for k in env if k.startswith("KAITIAN_")]:
+            del env[key]
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""),
+                    "KT_MATRIX_MARKERS": os.path.join(workdir, "markers"), "PYTHONUNBUFFERED": "1"})
+        if layout.kaitian_env:
+            env.update({"KAITIAN_GROUP": group, "KAITIAN_DEVICE_TYPE": "cpu",
+                        "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": run_dir})
+        env.update(dict(layout.env))
+        log = os.path.join(workdir, f"rank{rank}.log")
+        out = os.path.join(workdir, f"rank{rank}.jsonl")
+        cmd = [sys.executable, *argv, "--rank", str(rank), "--world-size", str(len(groups)),
+               "--groups", ",".join(groups), "--init-method", f"tcp://127.0.0.1:{port}", "--out", out]
+        with open(log, "w") as fh:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+                                          start_new_session=True))
+        logs.append(log)
+        outs.append(out)
+    timed_out = False
+    deadline = start + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for p in procs:
+            if p.poll() is None:
+                # dump Python stacks first (faulthandler is enabled in the ranks)
+                try:
+                    os.killpg(p.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(1.0)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    time.sleep(0.2)
+    leftover = sorted(shm_segments() - before)
+    return RankRun([p.returncode for p in procs], logs, outs, timed_out, time.monotonic() - start, workdir,
+                   leftover)
+
+
+def tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(fh.readlines()[-n:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def cleanup(run: RankRun) -> None:
+    shutil.rmtree(run.workdir, ignore_errors=True)
