@@ -1,0 +1,750 @@
+"""The docker runtime: each group's workers in its own long-lived container.
+
+``kaitianrun --runtime docker`` keeps the elastic agent on the host and starts
+workers inside one container per kaitian group (per vendor, or per simulated
+CPU group) with ``docker exec``. Containers run an idle process and are reused
+across restarts; workers are signalled as whole process groups *inside* the
+container (the Engine API cannot kill an exec, and killing the exec's client
+would leave the worker running).
+
+What to create is decided in ``docker_plan`` (pure); this module carries it out
+with the docker SDK, imported lazily and injectable for tests.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import IO, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext
+from torch.distributed.elastic.multiprocessing.api import RunProcsResult
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
+from kaitian.launcher.runtimes.docker_plan import (
+    LABEL_AGENT_HOST,
+    LABEL_AGENT_PID,
+    LABEL_AGENT_START,
+    LABEL_GROUP,
+    LABEL_HOST_MOUNTS,
+    LABEL_KEEP,
+    LABEL_MANAGED,
+    LABEL_PYTHON,
+    LABEL_RUN_ID,
+    LABEL_SPEC,
+    AgentIdentity,
+    ContainerLookupError,
+    ContainerPlan,
+    DockerOptionError,
+    DockerOptions,
+    DockerRuntimeError,
+    DockerUnavailableError,
+    ExecPlan,
+    ImageNotFoundError,
+    Mount,
+    exit_code_from_docker,
+    image_for,
+    parse_options,
+    parse_volume,
+    plan_container,
+    plan_exec,
+    stop_command,
+)
+
+__all__ = [
+    "DockerRuntime",
+    "DockerExecContext",
+    "DockerRuntimeError",
+    "DockerUnavailableError",
+    "ImageNotFoundError",
+    "ContainerLookupError",
+    "DockerOptionError",
+    "connect",
+    "agent_identity",
+    "owner_alive",
+]
+
+logger = logging.getLogger(__name__)
+
+# How long a worker may take to write its pid after its exec started.
+_PID_WAIT_S = 5.0
+# After KILL, how long to wait for the exec to report its exit before giving up.
+_KILL_WAIT_S = 10.0
+
+
+def connect(client: object = None) -> object:
+    """A docker SDK client that has answered a ping.
+
+    Args:
+        client: an existing client (tests inject one); ``None`` builds one
+            from the environment (``DOCKER_HOST`` …).
+
+    Returns:
+        The client.
+
+    Raises:
+        DockerUnavailableError: the SDK is missing, the daemon does not answer,
+            or the socket refuses this user.
+    """
+    try:
+        import docker
+        import docker.errors
+    except ImportError:
+        raise DockerUnavailableError(
+            "the docker runtime needs the docker SDK: pip install 'docker>=7'"
+        ) from None
+    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    try:
+        if client is None:
+            client = docker.DockerClient.from_env(max_pool_size=64)
+        client.ping()
+    except docker.errors.DockerException as exc:
+        text = str(exc)
+        if "Permission denied" in text or isinstance(exc.__context__, PermissionError):
+            raise DockerUnavailableError(
+                f"no permission on the Docker socket ({where}): add your user to the "
+                "'docker' group (sudo usermod -aG docker $USER, then log in again) or run as root"
+            ) from None
+        raise DockerUnavailableError(
+            f"cannot reach the Docker daemon at {where}: start it "
+            "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
+        ) from None
+    except PermissionError:
+        raise DockerUnavailableError(
+            f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
+            "(sudo usermod -aG docker $USER, then log in again) or run as root"
+        ) from None
+    return client
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """A process's start time (clock ticks since boot), or ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name may hold spaces; fields after the last ')' are fixed.
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def agent_identity() -> AgentIdentity:
+    """This agent's host, pid and process start time (labels its containers)."""
+    pid = os.getpid()
+    return AgentIdentity(host=socket.gethostname(), pid=pid, start=_process_start(pid) or "0")
+
+
+def owner_alive(labels: Mapping[str, str]) -> bool:
+    """Whether the agent named in a container's labels still runs on this host."""
+    try:
+        pid = int(labels.get(LABEL_AGENT_PID, ""))
+    except ValueError:
+        return False
+    start = _process_start(pid)
+    return start is not None and start == labels.get(LABEL_AGENT_START)
+
+
+def _label_filters(labels: Mapping[str, str]) -> Dict[str, List[str]]:
+    return {"label": [f"{k}={v}" for k, v in labels.items()]}
+
+
+def _find_one(client: object, labels: Mapping[str, str]) -> Optional[object]:
+    """The one container carrying ``labels``; ``None`` if there is none.
+
+    Raises:
+        ContainerLookupError: several containers match.
+    """
+    found = client.containers.list(all=True, filters=_label_filters(labels))
+    if len(found) > 1:
+        names = ", ".join(sorted(c.name for c in found))
+        raise ContainerLookupError(
+            f"several kaitian containers match {dict(labels)}: {names}; "
+            "remove the extra ones (docker rm -f NAME) and retry"
+        )
+    return found[0] if found else None
+
+
+class _Exec:
+    """One worker's ``docker exec``: started, streamed, and its exit recorded."""
+
+    def __init__(
+        self,
+        client: object,
+        container_id: str,
+        plan: ExecPlan,
+        stdout: str,
+        stderr: str,
+        prefix: str,
+    ) -> None:
+        self.client = client
+        self.container_id = container_id
+        self.plan = plan
+        self.exec_id: Optional[str] = None
+        self.host_pid: Optional[int] = None
+        self.exit_code: Optional[int] = None
+        self.error: Optional[BaseException] = None
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self._stdout_path = stdout
+        self._stderr_path = stderr
+        self._prefix = prefix.encode()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kaitian-docker-exec-{plan.local_rank}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _sink(self, path: str, console: IO[bytes]) -> Tuple[Callable[[bytes], None], Callable[[], None]]:
+        """A writer for one stream: the rank's log file, or the console with a prefix."""
+        if path:
+            f = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by the returned closer)
+            return f.write, f.close
+        pending = bytearray()
+        prefix = self._prefix
+
+        def write(data: bytes) -> None:
+            pending.extend(data)
+            *lines, rest = bytes(pending).split(b"\n")
+            if lines:
+                console.write(b"".join(prefix + line + b"\n" for line in lines))
+                console.flush()
+            pending[:] = rest
+
+        def close() -> None:
+            if pending:
+                console.write(prefix + bytes(pending) + b"\n")
+                console.flush()
+
+        return write, close
+
+    def _run(self) -> None:
+        api = self.client.api
+        out_write, out_close = self._sink(self._stdout_path, sys.stdout.buffer)
+        err_write, err_close = self._sink(self._stderr_path, sys.stderr.buffer)
+        try:
+            created = api.exec_create(
+                self.container_id,
+                list(self.plan.cmd),
+                environment=self.plan.env_list(),
+                workdir=self.plan.workdir,
+                user=self.plan.user,
+            )
+            self.exec_id = created["Id"]
+            stream = api.exec_start(self.exec_id, stream=True, demux=True)
+            # The wrapper writes the pid before anything else, so this is quick;
+            # pids are known once start() returns, as for local processes.
+            self.container_pid()
+            self.host_pid = self._inspect_pid()
+            self.started.set()
+            for out, err in stream:
+                if out:
+                    out_write(out)
+                if err:
+                    err_write(err)
+            self.exit_code = self._wait_exit()
+        except BaseException as exc:  # noqa: BLE001 (reported as the worker's failure)
+            self.error = exc
+            self.exit_code = self.exit_code if self.exit_code is not None else 1
+            logger.error("docker exec of local rank %s failed: %s", self.plan.local_rank, exc)
+        finally:
+            out_close()
+            err_close()
+            self.started.set()
+            self.done.set()
+
+    def _inspect_pid(self) -> Optional[int]:
+        """The worker's host pid; the Engine may report it a moment after the start."""
+        for _ in range(50):
+            pid = self.client.api.exec_inspect(self.exec_id).get("Pid")
+            if pid:
+                return int(pid)
+            if self.done.is_set():
+                break
+            time.sleep(0.01)
+        return None
+
+    def _wait_exit(self) -> int:
+        """The exec's exit code once the Engine reports it (streams end slightly earlier)."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            info = self.client.api.exec_inspect(self.exec_id)
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return exit_code_from_docker(info["ExitCode"])
+            if time.monotonic() > deadline:
+                return exit_code_from_docker(None)
+            time.sleep(0.02)
+
+    def poll_engine(self) -> None:
+        """Asks the Engine whether the worker ended while its output stream stays
+        open (a child it left behind still holds the pipe)."""
+        if self.done.is_set() or not self.exec_id:
+            return
+        try:
+            info = self.client.api.exec_inspect(self.exec_id)
+        except Exception:  # noqa: BLE001 (the stream thread reports real failures)
+            return
+        if not info.get("Running") and info.get("ExitCode") is not None:
+            self.exit_code = exit_code_from_docker(info["ExitCode"])
+            self.done.set()
+
+    def container_pid(self, wait: float = _PID_WAIT_S) -> Optional[int]:
+        """The worker's pid (= its process group) inside the container."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                with open(self.plan.pid_file) as f:
+                    return int(f.read().strip())
+            except (OSError, ValueError):
+                pass
+            if self.done.is_set() or time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+class DockerExecContext(PContext):
+    """A ``PContext`` whose workers are ``docker exec`` processes in containers.
+
+    The agent drives it exactly like local subprocesses: ``start``, ``wait`` /
+    ``_poll``, ``pids``, ``close``. Containers are prepared (created or reused)
+    by the runtime through ``prepare`` when the context starts, after torch has
+    decided the log and error-file paths that must be visible inside.
+
+    Args:
+        name: the worker group's name.
+        entrypoint: the binary the agent runs (the host's python, usually).
+        args: worker arguments by local rank.
+        envs: worker environments by local rank.
+        logs_specs: where stdout / stderr / error files go.
+        log_line_prefixes: console prefixes by local rank.
+        prepare: called once at start with this context; returns each local
+            rank's exec plan and container id.
+        client: the docker SDK client.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: str,
+        args: Dict[int, Tuple],
+        envs: Dict[int, Dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: Optional[Dict[int, str]],
+        prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecPlan, str]]],
+        client: object,
+    ) -> None:
+        super().__init__(name, entrypoint, args, envs, logs_specs, log_line_prefixes)
+        self._prepare = prepare
+        self._client = client
+        self._prefixes = log_line_prefixes or {}
+        self._execs: Dict[int, _Exec] = {}
+        self._failures: Dict[int, ProcessFailure] = {}
+        self._running: set = set(range(self.nprocs))
+        self._last_engine_poll = 0.0
+        self._closed = False
+
+    def _start(self) -> None:
+        if self._execs:
+            raise ValueError("docker exec context started twice")
+        plans = self._prepare(self)
+        for rank in range(self.nprocs):
+            plan, container_id = plans[rank]
+            try:
+                os.unlink(plan.pid_file)
+            except FileNotFoundError:
+                pass
+            self._execs[rank] = _Exec(
+                self._client,
+                container_id,
+                plan,
+                self.stdouts[rank],
+                self.stderrs[rank],
+                self._prefixes.get(rank, ""),
+            )
+        for ex in self._execs.values():
+            ex.start()
+        for ex in self._execs.values():
+            ex.started.wait(60)
+
+    def _capture(self, done: set) -> None:
+        now = time.monotonic()
+        if now - self._last_engine_poll > 2.0:
+            self._last_engine_poll = now
+            for rank in self._running:
+                self._execs[rank].poll_engine()
+        for rank in self._running:
+            ex = self._execs[rank]
+            if not ex.done.is_set():
+                continue
+            done.add(rank)
+            code = ex.exit_code if ex.exit_code is not None else 1
+            if code != 0 and rank not in self._failures:
+                self._failures[rank] = ProcessFailure(
+                    local_rank=rank,
+                    pid=ex.host_pid or -1,
+                    exitcode=code,
+                    error_file=self.error_files.get(rank, ""),
+                )
+
+    def _poll(self) -> Optional[RunProcsResult]:
+        done: set = set()
+        self._capture(done)
+        self._running.difference_update(done)
+        if self._running and not self._failures:
+            return None
+        self.close()
+        self._capture(done)
+        self._running.difference_update(done)
+        result = RunProcsResult(failures=self._failures, stdouts=self.stdouts, stderrs=self.stderrs)
+        if result.is_failed():
+            first = min(result.failures.values(), key=lambda f: f.timestamp)
+            logger.error(
+                "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s (in docker)",
+                first.exitcode, first.local_rank, first.pid, self.entrypoint,
+            )
+        else:
+            result.return_values = dict.fromkeys(range(self.nprocs))
+        return result
+
+    def pids(self) -> Dict[int, int]:
+        """Host pids of the workers (``exec_inspect``), falling back to in-container ones."""
+        out = {}
+        for rank, ex in self._execs.items():
+            pid = ex.host_pid or ex.container_pid(wait=0) or -1
+            out[rank] = pid
+        return out
+
+    def container_pids(self) -> Dict[int, Optional[int]]:
+        """Each worker's pid inside its container (its process group id)."""
+        return {rank: ex.container_pid(wait=0) for rank, ex in self._execs.items()}
+
+    def _signal(self, execs: Iterable[_Exec], sig: signal.Signals) -> None:
+        """Signals the workers' process groups from inside their containers."""
+        by_container: Dict[str, List[int]] = {}
+        for ex in execs:
+            pgid = ex.container_pid()
+            if pgid is None:
+                continue
+            by_container.setdefault(ex.container_id, []).append(pgid)
+        for container_id, pgids in by_container.items():
+            try:
+                api = self._client.api
+                exec_id = api.exec_create(container_id, list(stop_command(pgids, sig.name)), user="0")["Id"]
+                api.exec_start(exec_id)
+            except Exception as exc:  # noqa: BLE001 (container already gone: workers are too)
+                logger.warning("could not signal workers in container %s: %s", container_id[:12], exc)
+
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        live = [ex for ex in self._execs.values() if not ex.done.is_set()]
+        if not live:
+            self._cleanup()
+            return
+        for ex in live:
+            logger.warning(
+                "Sending worker %s (local rank %s, in container) closing signal %s",
+                ex.host_pid, ex.plan.local_rank, death_sig.name,
+            )
+        self._signal(live, death_sig)
+        end = time.monotonic() + timeout
+        for ex in live:
+            ex.done.wait(max(0.0, end - time.monotonic()))
+        still = [ex for ex in live if not ex.done.is_set()]
+        if still:
+            logger.warning(
+                "Unable to stop %d worker(s) via %s, killing them with SIGKILL", len(still), death_sig.name
+            )
+            self._signal(still, signal.SIGKILL)
+            end = time.monotonic() + _KILL_WAIT_S
+            for ex in still:
+                ex.done.wait(max(0.0, end - time.monotonic()))
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for ex in self._execs.values():
+            ex.join(1.0)
+            try:
+                os.unlink(ex.plan.pid_file)
+            except FileNotFoundError:
+                pass
+
+
+class DockerRuntime(Runtime):
+    """Runs each group's workers in its own long-lived container.
+
+    Args:
+        ctx: the node's run context (``options``: ``images``,
+            ``keep_containers``, ``volumes``, ``shm_size``).
+        client: a docker SDK client (tests); built from the environment if ``None``.
+
+    Raises:
+        DockerOptionError: an option that cannot be used.
+    """
+
+    name = "docker"
+
+    def __init__(self, ctx: RunContext, client: object = None) -> None:
+        super().__init__(ctx)
+        self.options: DockerOptions = parse_options(ctx.options)
+        self._client = client
+        self._agent = agent_identity()
+        self._containers: Dict[str, str] = {}  # group -> container id, this run's
+        self._collected = False
+        self._image_info: Dict[str, Tuple[Tuple[Mount, ...], str]] = {}
+
+    @property
+    def client(self) -> object:
+        if self._client is None or not getattr(self, "_connected", False):
+            self._client = connect(self._client)
+            self._connected = True
+        return self._client
+
+    # --- the contract --------------------------------------------------------
+
+    def start(
+        self,
+        *,
+        name: str,
+        entrypoint: str,
+        args: Dict[int, Tuple],
+        envs: Dict[int, Dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: Optional[Dict[int, str]],
+        start_method: str,
+        workers: Dict[int, WorkerLaunch],
+    ) -> PContext:
+        """Creates or reuses the containers, then starts one ``docker exec`` per rank.
+
+        Raises:
+            DockerRuntimeError: (subclasses) the daemon, an image or an option
+                is not usable; the message says what to do.
+        """
+        if not isinstance(entrypoint, str):
+            raise DockerOptionError("the docker runtime runs binaries (python scripts), not Python functions")
+        client = self.client
+        if not self._collected:
+            self._collected = True
+            for removed in self.collect_stale(client):
+                logger.warning("removed container %s left by a killed agent", removed)
+        # Check images before anything is started, so a missing one fails alone.
+        for w in workers.values():
+            self._image(image_for(w.group, w.device_type, self.options.images))
+
+        def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecPlan, str]]:
+            return self._prepare(pc, entrypoint, workers, logs_specs)
+
+        pc = DockerExecContext(
+            name=name,
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=logs_specs,
+            log_line_prefixes=log_line_prefixes,
+            prepare=prepare,
+            client=client,
+        )
+        pc.start()
+        return pc
+
+    def shutdown(self) -> None:
+        """Removes this run's containers unless ``--keep-containers``. Idempotent."""
+        if self.options.keep_containers or not self._containers:
+            self._containers.clear()
+            return
+        client = self._client
+        for group, cid in list(self._containers.items()):
+            try:
+                client.containers.get(cid).remove(force=True)
+                logger.info("removed container of group %s", group)
+            except Exception as exc:  # noqa: BLE001
+                if type(exc).__name__ != "NotFound":
+                    logger.warning("could not remove container %s: %s", cid[:12], exc)
+            self._containers.pop(group, None)
+
+    @classmethod
+    def collect_stale(cls, client: object = None) -> List[str]:
+        """Removes containers whose agent on this host is gone; returns their names.
+
+        Kept containers (``--keep-containers``) are left alone: they are meant
+        to outlive their run.
+
+        Raises:
+            DockerUnavailableError: the daemon cannot be reached.
+        """
+        client = connect(client)
+        labels = {LABEL_MANAGED: "1", LABEL_KEEP: "0", LABEL_AGENT_HOST: socket.gethostname()}
+        removed = []
+        for c in client.containers.list(all=True, filters=_label_filters(labels)):
+            if owner_alive(c.labels):
+                continue
+            try:
+                c.remove(force=True)
+                removed.append(c.name)
+            except Exception as exc:  # noqa: BLE001
+                if type(exc).__name__ != "NotFound":
+                    logger.warning("could not remove stale container %s: %s", c.name, exc)
+        return removed
+
+    # --- helpers -------------------------------------------------------------
+
+    def _image(self, ref: str) -> Tuple[Tuple[Mount, ...], str]:
+        """The host mounts and python an image declares (its labels).
+
+        Raises:
+            ImageNotFoundError: the image is not on this host.
+        """
+        if ref in self._image_info:
+            return self._image_info[ref]
+        import docker.errors
+
+        try:
+            image = self.client.images.get(ref)
+        except docker.errors.ImageNotFound:
+            raise ImageNotFoundError(
+                f"docker image {ref!r} not found on this host: build it (kaitian images build), "
+                f"pull it (docker pull {ref}) or choose another with --image VENDOR=IMAGE"
+            ) from None
+        labels = (image.attrs.get("Config") or {}).get("Labels") or {}
+        mounts: Tuple[Mount, ...] = ()
+        if labels.get(LABEL_HOST_MOUNTS):
+            try:
+                mounts = tuple(parse_volume(s) for s in labels[LABEL_HOST_MOUNTS].split(",") if s)
+            except DockerOptionError as exc:
+                raise DockerOptionError(f"image {ref!r} has a bad {LABEL_HOST_MOUNTS} label: {exc}") from None
+        info = (mounts, labels.get(LABEL_PYTHON) or "python3")
+        self._image_info[ref] = info
+        return info
+
+    @staticmethod
+    def _mount_dir(path: str) -> str:
+        """The directory mounted for a run or log directory: its parent, so kept
+        containers also serve later runs (whose directories are new siblings)."""
+        path = os.path.abspath(path)
+        parent = os.path.dirname(path)
+        return parent if parent not in ("", "/") else path
+
+    def _log_dirs(self, pc: DockerExecContext, logs_specs: LogsSpecs) -> List[str]:
+        """Host directories workers write into (error files)."""
+        dirs = set()
+        try:
+            root = logs_specs.root_log_dir
+        except Exception:  # noqa: BLE001 (custom LogsSpecs without a root)
+            root = None
+        if root and root != os.devnull:
+            dirs.add(self._mount_dir(root))
+        for path in pc.error_files.values():
+            if path and path != os.devnull:
+                d = os.path.dirname(os.path.abspath(path))
+                if not any(d == m or d.startswith(m.rstrip("/") + "/") for m in dirs):
+                    dirs.add(d)
+        if self.ctx.log_dir:
+            dirs.add(os.path.abspath(self.ctx.log_dir))
+        return sorted(dirs)
+
+    def _prepare(
+        self,
+        pc: DockerExecContext,
+        entrypoint: str,
+        workers: Dict[int, WorkerLaunch],
+        logs_specs: LogsSpecs,
+    ) -> Dict[int, Tuple[ExecPlan, str]]:
+        groups: Dict[str, List[WorkerLaunch]] = {}
+        for rank in sorted(workers):
+            groups.setdefault(workers[rank].group, []).append(workers[rank])
+        log_dirs = self._log_dirs(pc, logs_specs)
+        run_mount = self._mount_dir(self.ctx.run_dir)
+        device_nodes = glob.glob("/dev/cambricon*") + glob.glob("/dev/ipcm*")
+        plans: Dict[str, ContainerPlan] = {}
+        pythons: Dict[str, str] = {}
+        for group, members in groups.items():
+            ref = image_for(group, members[0].device_type, self.options.images)
+            mounts, python = self._image(ref)
+            plans[group] = plan_container(
+                group=group,
+                workers=members,
+                image=ref,
+                run_id=self.ctx.run_id,
+                run_dir=run_mount,
+                cwd=os.path.abspath(self.ctx.cwd),
+                log_dirs=log_dirs,
+                options=self.options,
+                agent=self._agent,
+                image_mounts=mounts,
+                device_nodes=device_nodes,
+            )
+            pythons[group] = python
+        for group, plan in plans.items():
+            self._containers[group] = self._ensure(plan)
+
+        pid_dir = os.path.join(self.ctx.run_dir, "docker-pids")
+        os.makedirs(pid_dir, mode=0o700, exist_ok=True)
+        host_python = {sys.executable, os.path.realpath(sys.executable)}
+        user = f"{os.getuid()}:{os.getgid()}"
+        out: Dict[int, Tuple[ExecPlan, str]] = {}
+        for rank, w in workers.items():
+            plan = plans[w.group]
+            ex = plan_exec(
+                worker=w,
+                container=plan,
+                entrypoint=entrypoint,
+                args=pc.args[rank],
+                env=pc.envs[rank],
+                cwd=os.path.abspath(self.ctx.cwd),
+                pid_file=os.path.join(pid_dir, f"{rank}.pid"),
+                user=user,
+                host_python=sorted(host_python),
+                image_python=pythons[w.group],
+            )
+            out[rank] = (ex, self._containers[w.group])
+        return out
+
+    def _ensure(self, plan: ContainerPlan) -> str:
+        """The id of a running container matching ``plan``: reused or created."""
+        client = self.client
+        labels = plan.labels
+        if self.options.keep_containers:
+            key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)}
+        else:
+            key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)}
+        found = _find_one(client, key)
+        if found is not None and found.labels.get(LABEL_SPEC) != plan.spec:
+            logger.info("container %s no longer matches its group; recreating it", found.name)
+            found.remove(force=True)
+            found = None
+        if found is not None:
+            if found.status != "running":
+                found.start()
+            logger.info("reusing container %s", found.name)
+            return found.id
+        import docker.errors
+
+        logger.info("creating container %s", plan.describe())
+        try:
+            container = client.containers.create(**plan.create_kwargs())
+        except docker.errors.ImageNotFound:
+            raise ImageNotFoundError(
+                f"docker image {plan.image!r} not found on this host: build it (kaitian images build) "
+                f"or choose another with --image {plan.group}=IMAGE"
+            ) from None
+        except docker.errors.APIError as exc:
+            raise DockerRuntimeError(
+                f"cannot create the container for group {plan.group!r}: {exc.explanation or exc}"
+            ) from None
+        try:
+            container.start()
+        except docker.errors.APIError as exc:
+            container.remove(force=True)
+            raise DockerRuntimeError(
+                f"cannot start the container for group {plan.group!r} ({plan.image}): "
+                f"{exc.explanation or exc}"
+            ) from None
+        return container.id
