@@ -67,6 +67,9 @@ class Settings:
         config_path: ``KAITIAN_CONFIG`` - the TOML file written by ``kaitian init``.
         monitor_dir: ``KAITIAN_MONITOR_DIR`` - where ranks write monitor samples
             (set by ``kaitianrun --monitor``).
+        cpu_quota_mode: ``KAITIAN_CPU_QUOTA_MODE`` - how the local runtime enforces
+            ``--cpu-quota``: ``auto`` (cgroup v1 cpu controller when writable,
+            else a SIGSTOP/SIGCONT duty cycle), ``cgroup`` or ``signal``.
     """
 
     device_type: Optional[str] = None
@@ -79,6 +82,7 @@ class Settings:
     chunk_bytes: int = 1 << 20
     config_path: str = ""
     monitor_dir: Optional[str] = None
+    cpu_quota_mode: str = "auto"
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -99,6 +103,9 @@ class Settings:
             chunk_bytes=_int(env, "KAITIAN_CHUNK_BYTES", 1 << 20),
             config_path=env.get("KAITIAN_CONFIG") or default_config_path(env),
             monitor_dir=env.get("KAITIAN_MONITOR_DIR") or None,
+            cpu_quota_mode=_choice(
+                env, "KAITIAN_CPU_QUOTA_MODE", "auto", ("auto", "cgroup", "signal")
+            ),
         )
 
 

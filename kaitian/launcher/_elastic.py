@@ -1,0 +1,122 @@
+"""Every torch-private ``torch.distributed.elastic`` / ``torch.distributed.run`` name kaitian uses.
+
+kaitianrun is built on torchelastic without forking its files. The names below
+are not all part of torch's stable API, so they are imported here and nowhere
+else: a torch upgrade that moves one of them touches this file only.
+
+Import note: torch imports ``kaitian.launcher.rendezvous`` (through the
+``torchrun.handlers`` entry point) while ``torch.distributed.elastic.rendezvous``
+is still initialising; every name imported below already exists at that point.
+"""
+
+from __future__ import annotations
+
+# --- torchrun's command line -------------------------------------------------
+from torch.multiprocessing import _set_thread_name as set_thread_name  # noqa: F401
+from torch.distributed.run import (  # noqa: F401
+    config_from_args,
+    get_args_parser,
+    parse_min_max_nnodes,
+)
+
+# --- the agent ---------------------------------------------------------------
+from torch.distributed.elastic import events, metrics, timer  # noqa: F401
+from torch.distributed.elastic.agent.server.api import (  # noqa: F401
+    RunResult,
+    SimpleElasticAgent,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: F401
+    TORCHELASTIC_ENABLE_FILE_TIMER,
+    TORCHELASTIC_HEALTH_CHECK_PORT,
+    TORCHELASTIC_TIMER_FILE,
+)
+from torch.distributed.elastic.agent.server.health_check_server import (  # noqa: F401
+    create_healthcheck_server,
+)
+from torch.distributed.launcher.api import LaunchConfig  # noqa: F401
+from torch.distributed.launcher.api import _get_addr_and_port as get_addr_and_port  # noqa: F401
+from torch.distributed.launcher.api import _get_entrypoint_name as get_entrypoint_name  # noqa: F401
+from torch.distributed.elastic.utils import macros  # noqa: F401
+
+# --- processes, logs, errors -------------------------------------------------
+from torch.distributed.elastic.multiprocessing import (  # noqa: F401
+    DefaultLogsSpecs,
+    LogsSpecs,
+    PContext,
+    SignalException,
+    Std,
+    start_processes,
+)
+from torch.distributed.elastic.multiprocessing.api import to_map  # noqa: F401
+from torch.distributed.elastic.multiprocessing.errors import (  # noqa: F401
+    ChildFailedError,
+    record,
+)
+
+# --- rendezvous --------------------------------------------------------------
+from torch.distributed.elastic.rendezvous.api import (  # noqa: F401
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F401
+    create_handler as create_dynamic_handler,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # noqa: F401
+    create_backend as create_c10d_backend,
+)
+
+
+def get_rendezvous_handler(params: "RendezvousParameters") -> "RendezvousHandler":
+    """torchelastic's registry lookup (imported late: the registry module imports plug-ins)."""
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler as _get
+
+    return _get(params)
+
+
+__all__ = [
+    "ChildFailedError",
+    "DefaultLogsSpecs",
+    "LaunchConfig",
+    "LogsSpecs",
+    "PContext",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RunResult",
+    "SignalException",
+    "SimpleElasticAgent",
+    "Std",
+    "TORCHELASTIC_ENABLE_FILE_TIMER",
+    "TORCHELASTIC_HEALTH_CHECK_PORT",
+    "TORCHELASTIC_TIMER_FILE",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+    "config_from_args",
+    "create_c10d_backend",
+    "create_dynamic_handler",
+    "create_healthcheck_server",
+    "events",
+    "get_addr_and_port",
+    "get_args_parser",
+    "get_entrypoint_name",
+    "get_rendezvous_handler",
+    "macros",
+    "metrics",
+    "parse_min_max_nnodes",
+    "record",
+    "rendezvous_handler_registry",
+    "set_thread_name",
+    "start_processes",
+    "timer",
+    "to_map",
+]

@@ -1,0 +1,304 @@
+"""``kaitianrun``: torchrun's command line plus kaitian's device layout.
+
+The parser *is* torchrun's (``get_args_parser``) with kaitian's flags added,
+and the launch config comes from torchrun's ``config_from_args``, so every
+torchrun flag and ``PET_*`` variable means what it means for torchrun.
+``kaitian run -f script.py [args]`` is the original project's command:
+``kaitianrun --standalone --nproc-auto script.py [args]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import uuid
+from typing import Dict, List, NoReturn, Optional
+
+from kaitian.launcher import _elastic as _te
+from kaitian.launcher.devices import DeviceSelectionError
+from kaitian.launcher.launch import KaitianLaunch, launch_agent
+from kaitian.launcher.logs import build_logs_specs
+from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers
+from kaitian.launcher.rundir import RunDir, collect_stale
+from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, runtime_class
+from kaitian.settings import SettingError
+
+__all__ = ["build_parser", "main", "run_alias", "UsageError"]
+
+logger = logging.getLogger(__name__)
+
+_PROG = "kaitianrun"
+
+
+class UsageError(ValueError):
+    """A command line kaitianrun cannot run; the message says what to change."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argparse error is one line on stderr (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
+    """torchrun's parser with kaitian's flags.
+
+    Returns:
+        The parser; its ``error`` prints one line and exits with code 2.
+    """
+    parser = _te.get_args_parser()
+    parser.__class__ = _OneLineParser  # same parser, one-line errors
+    parser.prog = prog
+    parser.description = (
+        "kaitianrun: torchrun for heterogeneous devices. Every torchrun flag works; "
+        "the kaitian flags below add device-aware worker layout."
+    )
+    k = parser.add_argument_group("kaitian")
+    k.add_argument(
+        "--nproc-auto",
+        "--nproc_auto",
+        action="store_true",
+        help="one worker per selected device, all vendors (USE_CUDA / USE_MLU / USE_CPU, "
+        "or --devices); overrides --nproc-per-node",
+    )
+    k.add_argument(
+        "--devices",
+        default=None,
+        metavar="KEYS",
+        help="devices to use, as keys: cuda:0,cuda:1,cpu (a bare type = all of it, "
+        "type:-1 = none); types not named keep their USE_<TYPE> setting",
+    )
+    k.add_argument(
+        "--cpu-slots", "--cpu_slots", type=int, default=None, metavar="N",
+        help="split this node's cores into N CPU slots (default: one per NUMA node)",
+    )
+    k.add_argument(
+        "--cpu-groups", "--cpu_groups", type=int, default=None, metavar="N",
+        help="split the CPU workers into N simulated vendor groups cpu0..cpuN-1 (KAITIAN_GROUP)",
+    )
+    k.add_argument(
+        "--cpu-quota", "--cpu_quota", default=None, metavar="Q0,Q1,...",
+        help="cores of CPU time per CPU group (one value for all groups, or one per group)",
+    )
+    k.add_argument(
+        "--runtime", choices=sorted(RUNTIMES), default="local",
+        help="where workers run: local subprocesses or per-vendor docker containers",
+    )
+    k.add_argument(
+        "--image", action="append", default=[], metavar="VENDOR_OR_GROUP=IMAGE",
+        help="docker image for a vendor or group (repeatable), e.g. cuda=kaitian:cuda",
+    )
+    k.add_argument(
+        "--keep-containers", "--keep_containers", action="store_true",
+        help="docker: leave the containers running after the run (reused next time)",
+    )
+    k.add_argument(
+        "-v", "--volume", action="append", default=[], metavar="HOST:CTR[:ro]",
+        help="docker: extra bind mount (repeatable)",
+    )
+    k.add_argument("--shm-size", "--shm_size", default="2g", help="docker: /dev/shm size (default 2g)")
+    k.add_argument(
+        "--monitor", nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
+        help="record per-rank throughput and utilisation; plot + summary in DIR "
+        "(default ./kaitian-monitor) when the run ends",
+    )
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.module:
+        return  # a module name; python -m reports a missing one
+    if args.no_python and not args.run_path:
+        if os.path.sep in script:
+            found = os.path.isfile(script) and os.access(script, os.X_OK)
+        else:
+            found = shutil.which(script) is not None
+        if not found:
+            raise UsageError(f"{script}: no such executable (with --no-python the script must be a program)")
+        return
+    if not os.path.isfile(script):
+        raise UsageError(f"{script}: no such file")
+
+
+def _images(values: List[str]) -> Dict[str, str]:
+    images: Dict[str, str] = {}
+    for value in values:
+        key, sep, ref = value.partition("=")
+        if not sep or not key or not ref:
+            raise UsageError(f"--image {value!r}: expected VENDOR_OR_GROUP=IMAGE[:TAG], e.g. cuda=kaitian:cuda")
+        images[key] = ref
+    return images
+
+
+def _capabilities() -> Dict[str, float]:
+    try:
+        from kaitian.capability import load_capabilities
+    except ImportError:
+        return {}
+    try:
+        return dict(load_capabilities())
+    except Exception as e:  # a broken config must not stop the launch
+        logger.warning("could not read device capabilities: %s", e)
+        return {}
+
+
+def _resolve_rendezvous(args: argparse.Namespace) -> None:
+    """torchrun's ``run()`` preamble: ``--standalone`` and single-node defaults."""
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = _te.parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+@_te.record
+def _launch(config, cmd, cmd_args, kaitian: KaitianLaunch):
+    return launch_agent(config, cmd, cmd_args, kaitian)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Launches the job described by parsed arguments (torchrun's ``run`` with kaitian's layout).
+
+    Raises:
+        UsageError, DeviceSelectionError, PlanError: bad input (nothing was started).
+        ChildFailedError / SignalException: as torchrun.
+    """
+    _check_script(args)
+    _resolve_rendezvous(args)
+    omp_from_user = "OMP_NUM_THREADS" in os.environ
+    cpu_quota = parse_cpu_quota(args.cpu_quota)
+    plan_kwargs = dict(
+        devices_flag=args.devices,
+        cpu_slots=args.cpu_slots,
+        cpu_groups=args.cpu_groups,
+        cpu_quota=cpu_quota,
+    )
+    plans = None
+    if args.nproc_auto:
+        plans = plan_workers(nproc_auto=True, nproc_per_node=None, **plan_kwargs)
+        args.nproc_per_node = str(len(plans))
+    try:
+        config, cmd, cmd_args = _te.config_from_args(args)
+    except (AssertionError, RuntimeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if plans is None:
+        plans = plan_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
+
+    images = _images(args.image)
+    collect_stale()
+    stale = runtime_class(args.runtime).collect_stale()
+    if stale:
+        logger.warning("removed what killed agents left behind: %s", ", ".join(stale))
+    run_dir = RunDir(config.run_id)
+    try:
+        if args.logs_specs is None:
+            ranks = (
+                set(map(int, args.local_ranks_filter.split(","))) if args.local_ranks_filter else None
+            )
+            config.logs_specs = build_logs_specs(
+                log_dir=args.log_dir or run_dir.log_dir,
+                redirects=args.redirects,
+                tee=args.tee,
+                local_ranks_filter=ranks,
+                nproc=config.nproc_per_node,
+            )
+        monitor_dir = os.path.abspath(args.monitor) if args.monitor else None
+        if monitor_dir:
+            os.makedirs(monitor_dir, exist_ok=True)
+        runtime = get_runtime(
+            args.runtime,
+            RunContext(
+                run_id=config.run_id,
+                run_dir=run_dir.path,
+                log_dir=args.log_dir,
+                cwd=os.getcwd(),
+                options={
+                    "images": images,
+                    "keep_containers": args.keep_containers,
+                    "volumes": list(args.volume),
+                    "shm_size": args.shm_size,
+                    "numa_options": config.numa_options,
+                    "duplicate_stdout_filters": config.duplicate_stdout_filters,
+                    "duplicate_stderr_filters": config.duplicate_stderr_filters,
+                },
+            ),
+        )
+        kaitian = KaitianLaunch(
+            plans=plans,
+            run_dir=run_dir,
+            runtime=runtime,
+            capabilities=_capabilities(),
+            monitor_dir=monitor_dir,
+            omp_from_user=omp_from_user,
+        )
+        _launch(config, cmd, cmd_args, kaitian)
+    finally:
+        # After @record has copied the root cause's error file: it lives in here.
+        run_dir.remove()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The ``kaitianrun`` console script.
+
+    Returns:
+        0 on success; 2 for bad input (one line on stderr). Worker failures and
+        signals raise as under torchrun (exit status 1 with the root-cause summary).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    _te.set_thread_name("pt_elastic")
+    try:
+        run(args)
+    except (UsageError, DeviceSelectionError, PlanError, SettingError, PermissionError) as e:
+        return _fail(str(e))
+    except Exception as e:
+        # A runtime's own errors (no docker daemon, missing image, bad option)
+        # are user-facing and say what to do; anything else is torchrun-like.
+        if type(e).__module__.startswith("kaitian.launcher.runtimes"):
+            return _fail(str(e))
+        raise
+    return 0
+
+
+def run_alias(argv: Optional[List[str]] = None) -> int:
+    """``kaitian run -f script.py [script args]``: the original project's command.
+
+    Same as ``kaitianrun --standalone --nproc-auto script.py [script args]``;
+    other kaitianrun flags may come before ``-f``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-f" not in argv and "--file" not in argv:
+        print("kaitian run: error: usage: kaitian run [KAITIANRUN FLAGS] -f SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    i = argv.index("-f") if "-f" in argv else argv.index("--file")
+    if i + 1 >= len(argv):
+        print("kaitian run: error: -f needs a script", file=sys.stderr)
+        return 2
+    flags, script, rest = argv[:i], argv[i + 1], argv[i + 2:]
+    extra = []
+    if "--standalone" not in flags and not any(f.startswith("--rdzv") for f in flags):
+        extra.append("--standalone")
+    if "--nproc-auto" not in flags and not any(f.startswith("--nproc") for f in flags):
+        extra.append("--nproc-auto")
+    return main([*extra, *flags, script, *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

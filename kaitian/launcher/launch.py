@@ -1,0 +1,168 @@
+"""``launch_agent``: kaitian's counterpart of ``torch.distributed.launcher.api.launch_agent``.
+
+Torch's function hard-codes ``LocalElasticAgent``; this one builds a
+:class:`~kaitian.launcher.agent.KaitianAgent` with a runtime and keeps torch's
+structure: rendezvous handler from the registry, agent run, ``ChildFailedError``
+for failed workers, ``SignalException`` passed through without closing the
+rendezvous, and ``finally`` shutting down the rendezvous, the runtime and the
+monitor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from kaitian.launcher import _elastic as _te
+from kaitian.launcher.agent import KaitianAgent
+from kaitian.launcher.plan import WorkerPlan
+from kaitian.launcher.rundir import RunDir
+from kaitian.launcher.runtimes import Runtime
+
+__all__ = ["KaitianLaunch", "launch_agent"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KaitianLaunch:
+    """What kaitian adds to torch's ``LaunchConfig``.
+
+    Attributes:
+        plans: one worker plan per local rank.
+        run_dir: this agent's run directory.
+        runtime: the runtime that starts the workers (shut down at the end).
+        capabilities: device key -> samples/s.
+        monitor_dir: ``--monitor`` directory or ``None``.
+        omp_from_user: the user set ``OMP_NUM_THREADS``.
+    """
+
+    plans: List[WorkerPlan]
+    run_dir: RunDir
+    runtime: Runtime
+    capabilities: Dict[str, float] = field(default_factory=dict)
+    monitor_dir: Optional[str] = None
+    omp_from_user: bool = False
+
+
+def _make_monitor(out_dir: str) -> Any:
+    try:
+        from kaitian.monitor import AgentMonitor
+    except ImportError as e:
+        logger.warning("--monitor: kaitian.monitor is not available (%s); not monitoring", e)
+        return None
+    return AgentMonitor(out_dir)
+
+
+def launch_agent(
+    config: "_te.LaunchConfig",
+    entrypoint: Union[Callable, str, None],
+    args: List[Any],
+    kaitian: KaitianLaunch,
+) -> Dict[int, Any]:
+    """Runs this node's agent until the job succeeds, fails or is signalled.
+
+    Args:
+        config: torchrun's launch config (from ``config_from_args``).
+        entrypoint: the worker command or function.
+        args: its arguments.
+        kaitian: kaitian's additions.
+
+    Returns:
+        Worker return values by global rank.
+
+    Raises:
+        ChildFailedError: workers failed after all restarts (``@record`` prints the root cause).
+        SignalException: the agent was asked to stop (SIGINT, SIGTERM, ...).
+    """
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        logger.warning("config has no run_id, generated a random run_id: %s", config.run_id)
+    entrypoint_name = _te.get_entrypoint_name(entrypoint, args)
+
+    rdzv_parameters = _te.RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _te.get_addr_and_port(rdzv_parameters)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+
+    spec = _te.WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=_te.get_rendezvous_handler(rdzv_parameters),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+
+    runtime = kaitian.runtime
+    monitor = None
+    shutdown_rdzv = True
+    try:
+        if kaitian.monitor_dir:
+            monitor = _make_monitor(kaitian.monitor_dir)
+            if monitor is not None:
+                monitor.start()
+        agent = KaitianAgent(
+            spec=spec,
+            logs_specs=config.logs_specs,  # type: ignore[arg-type]
+            runtime=runtime,
+            plans=kaitian.plans,
+            run_dir=kaitian.run_dir,
+            start_method=config.start_method,
+            log_line_prefix_template=config.log_line_prefix_template,
+            shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+            capabilities=kaitian.capabilities,
+            monitor_dir=kaitian.monitor_dir,
+            monitor=monitor,
+            omp_from_user=kaitian.omp_from_user,
+        )
+        _te.metrics.initialize_metrics(_te.metrics.MetricsConfig(config.metrics_cfg))
+        try:
+            result = agent.run()
+            _te.events.record(agent.get_event_succeeded(), config.event_log_handler)
+        except _te.SignalException:
+            # As torch: a signalled agent leaves the rendezvous open for the others.
+            shutdown_rdzv = False
+            _te.events.record(agent.get_event_failed(), config.event_log_handler)
+            raise
+        except Exception:
+            _te.events.record(agent.get_event_failed(), config.event_log_handler)
+            raise
+        if result is None:  # rendezvous closed gracefully
+            return {}
+        if result.is_failed():
+            raise _te.ChildFailedError(name=entrypoint_name, failures=result.failures)
+        return result.return_values
+    finally:
+        try:
+            if shutdown_rdzv:
+                spec.rdzv_handler.shutdown()
+        finally:
+            try:
+                runtime.shutdown()
+            finally:
+                if monitor is not None:
+                    try:
+                        monitor.stop()
+                        print(monitor.report(), flush=True)
+                    except Exception:
+                        logger.warning("--monitor: could not write the report", exc_info=True)

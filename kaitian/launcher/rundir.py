@@ -1,0 +1,153 @@
+"""Per-node run directories (``KAITIAN_RUN_DIR``) and what a killed agent left behind.
+
+Each agent owns one owner-only directory ``$TMPDIR/kaitian-<uid>/<run>.<pid>``.
+It holds the default log directory, one sub-directory per worker-group start
+(the ``KAITIAN_RUN_DIR`` of that start's workers: the backend's FileStore and
+shared-memory names live there) and two small records: the agent's identity
+and the current workers' pids. The next agent that starts on the host reads
+those records; if their agent is gone it kills the workers it left running
+and removes the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+from typing import Dict, List, Optional
+
+__all__ = ["RunDir", "base_dir", "collect_stale"]
+
+logger = logging.getLogger(__name__)
+
+_AGENT_FILE = "agent.json"
+_WORKERS_FILE = "workers.json"
+
+
+def base_dir() -> str:
+    """``$TMPDIR/kaitian-<uid>``, created owner-only."""
+    path = os.path.join(tempfile.gettempdir(), f"kaitian-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user; set TMPDIR to a private directory")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _start_time(pid: int) -> Optional[float]:
+    """The process's start time (clock ticks since boot), ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return float(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, start_time: Optional[float]) -> bool:
+    now = _start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
+
+
+def _write_json(path: str, data: object) -> None:
+    tmp = f"{path}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """This agent's run directory.
+
+    Args:
+        run_id: the rendezvous run id (part of the directory name).
+    """
+
+    def __init__(self, run_id: str) -> None:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64] or "run"
+        self.path = tempfile.mkdtemp(prefix=f"{safe}.{os.getpid()}.", dir=base_dir())
+        os.chmod(self.path, 0o700)
+        _write_json(
+            os.path.join(self.path, _AGENT_FILE),
+            {"pid": os.getpid(), "start_time": _start_time(os.getpid())},
+        )
+        self._starts = 0
+        self._current: Optional[str] = None
+
+    @property
+    def log_dir(self) -> str:
+        """Default ``--log-dir`` (removed with the run directory)."""
+        path = os.path.join(self.path, "logs")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+
+    def new_start(self) -> str:
+        """A fresh ``KAITIAN_RUN_DIR`` for the next worker-group start.
+
+        The previous start's directory is removed: its workers are stopped by
+        then, and a backend must never find a previous attempt's FileStore.
+        """
+        if self._current:
+            shutil.rmtree(self._current, ignore_errors=True)
+        self._current = os.path.join(self.path, f"start{self._starts}")
+        self._starts += 1
+        os.makedirs(self._current, mode=0o700)
+        return self._current
+
+    def record_workers(self, pids: Dict[int, int]) -> None:
+        """Remembers the running workers, so a later agent can stop them if this one is killed."""
+        _write_json(
+            os.path.join(self.path, _WORKERS_FILE),
+            [[pid, _start_time(pid)] for pid in pids.values()],
+        )
+
+    def remove(self) -> None:
+        """Deletes the directory (idempotent)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def collect_stale() -> List[str]:
+    """Removes run directories whose agent is gone, killing workers it left running.
+
+    Returns:
+        The directories removed.
+    """
+    removed: List[str] = []
+    try:
+        base = base_dir()
+        entries = os.listdir(base)
+    except OSError:
+        return removed
+    for name in entries:
+        path = os.path.join(base, name)
+        try:
+            with open(os.path.join(path, _AGENT_FILE)) as f:
+                agent = json.load(f)
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        if _alive(int(agent["pid"]), agent.get("start_time")):
+            continue
+        try:
+            with open(os.path.join(path, _WORKERS_FILE)) as f:
+                workers = json.load(f)
+        except (OSError, ValueError):
+            workers = []
+        for pid, start in workers:
+            if _alive(int(pid), start):
+                logger.warning("killing worker %s left running by a killed kaitianrun agent", pid)
+                try:
+                    os.killpg(int(pid), signal.SIGKILL)
+                except OSError:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except OSError:
+                        pass
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed

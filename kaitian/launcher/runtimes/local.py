@@ -1,0 +1,137 @@
+"""The default runtime: workers are subprocesses of the agent on this host.
+
+Processes are started by torch's own ``start_processes`` (so logs, error
+files and signals behave exactly as under torchrun); on top of that each
+worker is pinned to its slot's cores and put under its group's CPU quota.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, List, Optional, Tuple
+
+from kaitian.launcher import _elastic as _te
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
+from kaitian.launcher.runtimes.cpu_limits import (
+    CgroupQuota,
+    DutyCycle,
+    cgroups_writable,
+    collect_stale_cgroups,
+    pin,
+)
+from kaitian.settings import settings
+
+__all__ = ["LocalRuntime"]
+
+logger = logging.getLogger(__name__)
+
+
+class LocalRuntime(Runtime):
+    """Runs workers as local subprocesses (pinned, optionally CPU-quota'd).
+
+    ``RunContext.options`` keys read here (all optional): ``numa_options``,
+    ``duplicate_stdout_filters``, ``duplicate_stderr_filters`` (torchrun's
+    ``--numa-binding`` and ``--duplicate-std*-filters``).
+    """
+
+    name = "local"
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self._cgroups: Optional[CgroupQuota] = None
+        self._duty: Optional[DutyCycle] = None
+        self._mode: Optional[str] = None
+
+    def _quota_mode(self) -> str:
+        if self._mode is None:
+            wanted = settings().cpu_quota_mode
+            if wanted == "auto":
+                wanted = "cgroup" if cgroups_writable() else "signal"
+            elif wanted == "cgroup" and not cgroups_writable():
+                raise PermissionError(
+                    "KAITIAN_CPU_QUOTA_MODE=cgroup but /sys/fs/cgroup/cpu is not writable; "
+                    "run as root with cgroup v1 or use KAITIAN_CPU_QUOTA_MODE=signal"
+                )
+            self._mode = wanted
+        return self._mode
+
+    def start(
+        self,
+        *,
+        name: str,
+        entrypoint: str,
+        args: Dict[int, Tuple],
+        envs: Dict[int, Dict[str, str]],
+        logs_specs: "_te.LogsSpecs",
+        log_line_prefixes: Optional[Dict[int, str]],
+        start_method: str,
+        workers: Dict[int, WorkerLaunch],
+    ) -> "_te.PContext":
+        opts = self.ctx.options
+        pcontext = _te.start_processes(
+            name=name,
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=logs_specs,
+            log_line_prefixes=log_line_prefixes,
+            start_method=start_method,
+            numa_options=opts.get("numa_options"),
+            duplicate_stdout_filters=opts.get("duplicate_stdout_filters"),
+            duplicate_stderr_filters=opts.get("duplicate_stderr_filters"),
+        )
+        pids = pcontext.pids()
+        for local_rank, launch in workers.items():
+            pin(pids[local_rank], launch.cpus)
+        self._apply_quotas(pids, workers)
+        if self._duty is not None:
+            self._resume_before_close(pcontext, list(pids.values()))
+        return pcontext
+
+    def _apply_quotas(self, pids: Dict[int, int], workers: Dict[int, WorkerLaunch]) -> None:
+        by_group: Dict[str, List[WorkerLaunch]] = {}
+        for launch in workers.values():
+            if launch.cpu_quota is not None:
+                by_group.setdefault(launch.group, []).append(launch)
+        if not by_group:
+            return
+        if self._quota_mode() == "cgroup":
+            if self._cgroups is None:
+                self._cgroups = CgroupQuota(f"{self.ctx.run_id}.{os.getpid()}")
+            for group, launches in by_group.items():
+                self._cgroups.set_quota(group, launches[0].cpu_quota)
+                for launch in launches:
+                    self._cgroups.add(group, pids[launch.local_rank])
+            return
+        if self._duty is None:
+            self._duty = DutyCycle()
+        all_cores = len(os.sched_getaffinity(0))
+        for group, launches in by_group.items():
+            cores = {c for launch in launches for c in launch.cpus}
+            fraction = launches[0].cpu_quota / (len(cores) or all_cores)
+            self._duty.add([pids[launch.local_rank] for launch in launches], fraction)
+
+    def _resume_before_close(self, pcontext: "_te.PContext", pids: List[int]) -> None:
+        # A stopped process does not act on SIGTERM; let the workers run before
+        # the agent signals them, or a graceful stop would always time out.
+        original_close = pcontext.close
+        duty = self._duty
+
+        def close(*a, **kw):
+            duty.release(pids)
+            return original_close(*a, **kw)
+
+        pcontext.close = close  # type: ignore[method-assign]
+
+    def shutdown(self) -> None:
+        if self._duty is not None:
+            self._duty.release()
+            self._duty = None
+        if self._cgroups is not None:
+            self._cgroups.remove()
+            self._cgroups = None
+
+    @classmethod
+    def collect_stale(cls) -> List[str]:
+        return collect_stale_cgroups()
