@@ -100,26 +100,25 @@ def connect(client: object = None) -> object:
         raise DockerUnavailableError(
             "the docker runtime needs the docker SDK: pip install 'docker>=7'"
         ) from None
+    import requests.exceptions
+
     where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    denied = DockerUnavailableError(
+        f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
+        "(sudo usermod -aG docker $USER, then log in again) or run as root"
+    )
     try:
         if client is None:
             client = docker.DockerClient.from_env(max_pool_size=64)
         client.ping()
-    except docker.errors.DockerException as exc:
-        text = str(exc)
-        if "Permission denied" in text or isinstance(exc.__context__, PermissionError):
-            raise DockerUnavailableError(
-                f"no permission on the Docker socket ({where}): add your user to the "
-                "'docker' group (sudo usermod -aG docker $USER, then log in again) or run as root"
-            ) from None
+    except PermissionError:
+        raise denied from None
+    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
+        if "Permission denied" in str(exc) or isinstance(exc.__context__, PermissionError):
+            raise denied from None
         raise DockerUnavailableError(
             f"cannot reach the Docker daemon at {where}: start it "
             "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
-        ) from None
-    except PermissionError:
-        raise DockerUnavailableError(
-            f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
-            "(sudo usermod -aG docker $USER, then log in again) or run as root"
         ) from None
     return client
 
