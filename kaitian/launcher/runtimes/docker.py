@@ -202,25 +202,43 @@ class _Exec:
         self._thread.start()
 
     def _sink(self, path: str, console: IO[bytes]) -> Tuple[Callable[[bytes], None], Callable[[], None]]:
-        """A writer for one stream: the rank's log file, or the console with a prefix."""
+        """A writer for one stream: the rank's log file, or the console with a prefix.
+
+        Output arrives in arbitrary chunks; only whole lines are written, so the
+        tee (which tails the file line by line) never splits a line.
+        """
         if path:
             f = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by the returned closer)
-            return f.write, f.close
+
+            def emit(lines: List[bytes]) -> None:
+                f.write(b"".join(line + b"\n" for line in lines))
+
+            def finish() -> None:
+                f.close()
+        else:
+            prefix = self._prefix
+
+            def emit(lines: List[bytes]) -> None:
+                console.write(b"".join(prefix + line + b"\n" for line in lines))
+                console.flush()
+
+            def finish() -> None:
+                pass
+
         pending = bytearray()
-        prefix = self._prefix
 
         def write(data: bytes) -> None:
             pending.extend(data)
-            *lines, rest = bytes(pending).split(b"\n")
-            if lines:
-                console.write(b"".join(prefix + line + b"\n" for line in lines))
-                console.flush()
-            pending[:] = rest
+            cut = pending.rfind(b"\n")
+            if cut >= 0:
+                emit(bytes(pending[:cut]).split(b"\n"))
+                del pending[: cut + 1]
 
         def close() -> None:
             if pending:
-                console.write(prefix + bytes(pending) + b"\n")
-                console.flush()
+                emit([bytes(pending)])
+                pending.clear()
+            finish()
 
         return write, close
 
@@ -696,7 +714,9 @@ class DockerRuntime(Runtime):
                 container=plan,
                 entrypoint=entrypoint,
                 args=pc.args[rank],
-                env=pc.envs[rank],
+                # Like torch's local subprocesses, workers inherit the agent's
+                # environment under the variables the agent set.
+                env={**os.environ, **pc.envs[rank]},
                 cwd=os.path.abspath(self.ctx.cwd),
                 pid_file=os.path.join(pid_dir, f"{rank}.pid"),
                 user=user,

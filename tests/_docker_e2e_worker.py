@@ -1,0 +1,68 @@
+"""Worker script for the kaitianrun --runtime docker end-to-end tests.
+
+DOCKER_E2E_MODE=train: a few DDP steps with a fixed seed on backend
+DOCKER_E2E_BACKEND; rank 0 saves the parameters. Every rank records which
+container (cgroup) it ran in.
+DOCKER_E2E_MODE=restart: on the first attempt each rank records its pid and
+waits (the test kills one inside its container); on a restart it succeeds.
+DOCKER_E2E_MODE=wait: records its pid and waits to be stopped.
+"""
+
+import json
+import os
+import time
+
+out = os.environ["DOCKER_E2E_OUT"]
+mode = os.environ.get("DOCKER_E2E_MODE", "train")
+rank = int(os.environ["RANK"])
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def record(name, data):
+    path = os.path.join(out, f"{name}.{rank}.{attempt}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def container_id():
+    """The docker container this process runs in ('' on the host), from its cgroup."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            parts = line.strip().split("/")
+            if "docker" in parts:
+                return parts[parts.index("docker") + 1]
+    return ""
+
+
+record("where", {"pid": os.getpid(), "container": container_id(), "group": os.environ.get("KAITIAN_GROUP"),
+                 "mnt": os.readlink("/proc/self/ns/mnt")})
+
+if mode == "train":
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import kaitian  # noqa: F401  (registers the "kaitian" backend)
+
+    dist.init_process_group(os.environ.get("DOCKER_E2E_BACKEND", "kaitian"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(10):
+        x = torch.randn(16, 32, generator=gen)
+        y = torch.randn(16, 8, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(out, "params.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+elif mode == "restart" and attempt > 0:
+    pass  # the restarted group succeeds
+else:
+    time.sleep(600)
