@@ -234,3 +234,12 @@ def test_wrapper_records_pid_pins_and_makes_a_process_group(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_directories_inside_mounted_ones_are_not_mounted_again():
+    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    plan = _plan(w, log_dirs=("/tmp/kaitian-0/run.123/logs", "/var/log/job"))
+    targets = [m.target for m in plan.mounts]
+    assert targets == ["/home/u/proj", "/tmp/kaitian-0", "/var/log/job"]
+    # so a later run (new run directory, new log directory) has the same shape
+    assert _plan(w, log_dirs=("/tmp/kaitian-0/run.456/logs", "/var/log/job")).spec == plan.spec

@@ -432,8 +432,11 @@ def plan_container(
     mounts: Dict[str, Mount] = {}
     for m in image_mounts:
         mounts[m.target] = m
-    for path in (cwd, run_dir, *log_dirs):
-        if path and path != os.devnull:
+    # The run's own directories at identical paths; one inside another is
+    # already visible, and dropping it keeps the shape (and so reuse) stable.
+    own = sorted({p for p in (cwd, run_dir, *log_dirs) if p and p != os.devnull}, key=len)
+    for path in own:
+        if not any(path.startswith(m.rstrip("/") + "/") for m in own if m != path):
             mounts[path] = Mount(path, path, False)
     for m in options.volumes:
         mounts[m.target] = m

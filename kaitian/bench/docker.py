@@ -1,0 +1,192 @@
+"""``kaitian bench docker``: the docker runtime against the local runtime, in one run.
+
+Runs the same ``kaitianrun`` job (``--nproc`` workers split into ``--groups``
+simulated CPU vendor groups, backend ``--backend``) under ``--runtime local``
+and ``--runtime docker`` and prints, per runtime, the median over ``--runs``:
+
+- launch to first collective: from starting ``kaitianrun`` until every rank
+  has finished its first allreduce. The docker runs use ``--keep-containers``
+  after one warm-up run, i.e. containers already created (the issue's case);
+  the cold start (creating the containers) is printed too.
+- allreduce bus bandwidth (nccl-tests formula ``2(n-1)/n * bytes / time``) of
+  a ``--size-mb`` tensor between workers in separate containers vs separate
+  local processes.
+
+Example::
+
+    kaitian images build cpu-host          # once, on hosts without a registry
+    kaitian bench docker --image cpu=kaitian:cpu --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["main", "run_bench"]
+
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch
+    import torch.distributed as dist
+    backend = sys.argv[1]
+    if backend == "kaitian":
+        import kaitian  # noqa: F401
+    out, size_mb, iters = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    first = time.time()
+    x = torch.ones(size_mb * (1 << 20) // 4)
+    for _ in range(3):
+        dist.all_reduce(x)
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    took = (time.perf_counter() - began) / iters
+    # The slowest rank's time is the collective's time.
+    slow = torch.tensor([took, first], dtype=torch.float64)
+    dist.all_reduce(slow, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        nbytes = x.numel() * 4
+        busbw = 2 * (world - 1) / world * nbytes / slow[0].item()
+        with open(out, "w") as f:
+            json.dump({"first": slow[1].item(), "time": slow[0].item(), "busbw": busbw}, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _kaitianrun() -> List[str]:
+    exe = shutil.which("kaitianrun")
+    return [exe] if exe else [sys.executable, "-m", "kaitian.launcher.cli"]
+
+
+def _one(runtime: str, args: argparse.Namespace, workdir: str, keep: bool) -> Dict[str, float]:
+    """One kaitianrun job; returns launch-to-first-collective and bus bandwidth."""
+    out = os.path.join(workdir, f"result-{runtime}-{time.monotonic_ns()}.json")
+    cmd = _kaitianrun() + [
+        "--standalone", "--nproc-per-node", str(args.nproc), "--cpu-groups", str(args.groups),
+        "--runtime", runtime,
+    ]
+    if runtime == "docker":
+        for image in args.image:
+            cmd += ["--image", image]
+        if keep:
+            cmd.append("--keep-containers")
+    cmd += [os.path.join(workdir, "bench_worker.py"), args.backend, out, str(args.size_mb), str(args.iters)]
+    env = dict(os.environ)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    began = time.time()
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"kaitianrun --runtime {runtime} failed (exit {proc.returncode}):\n{tail}")
+    with open(out) as f:
+        result = json.load(f)
+    return {"launch": result["first"] - began, "busbw": result["busbw"]}
+
+
+def _remove_kept(before: set) -> None:
+    """Removes the containers this benchmark kept (not the user's)."""
+    from kaitian.launcher.runtimes.docker import connect
+
+    client = connect()
+    for c in client.containers.list(all=True, filters={"label": ["org.kaitian.managed=1", "org.kaitian.keep=1"]}):
+        if c.id not in before:
+            c.remove(force=True)
+
+
+def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
+    """Runs the benchmark; returns medians per runtime (and the cold docker start)."""
+    from kaitian.launcher.runtimes.docker import connect
+
+    client = connect()
+    before = {
+        c.id for c in client.containers.list(all=True, filters={"label": ["org.kaitian.managed=1", "org.kaitian.keep=1"]})
+    }
+    results: Dict[str, List[Dict[str, float]]] = {"local": [], "docker": []}
+    cold: Optional[Dict[str, float]] = None
+    workdir = tempfile.mkdtemp(prefix="kaitian-bench-docker-")
+    try:
+        with open(os.path.join(workdir, "bench_worker.py"), "w") as f:
+            f.write(_WORKER)
+        print(f"[bench] warm-up: docker run creating the containers (kept for the measured runs)", flush=True)
+        cold = _one("docker", args, workdir, keep=True)
+        for i in range(args.runs):
+            for runtime in ("local", "docker"):  # interleaved: both see the same machine load
+                r = _one(runtime, args, workdir, keep=True)
+                results[runtime].append(r)
+                print(f"[bench] run {i + 1}/{args.runs} {runtime:>6}: launch->first collective "
+                      f"{r['launch']:.2f} s, busbw {r['busbw'] / 1e9:.2f} GB/s", flush=True)
+    finally:
+        _remove_kept(before)
+        shutil.rmtree(workdir, ignore_errors=True)
+    med = {rt: {k: statistics.median(r[k] for r in rs) for k in ("launch", "busbw")} for rt, rs in results.items()}
+    if cold is not None:
+        med["docker-cold"] = cold
+    return med
+
+
+def _report(med: Dict[str, Dict[str, float]], args: argparse.Namespace) -> str:
+    local, docker = med["local"], med["docker"]
+    extra = docker["launch"] - local["launch"]
+    ratio = docker["busbw"] / local["busbw"]
+    lines = [
+        f"kaitian bench docker: {args.nproc} workers in {args.groups} CPU groups, backend {args.backend}, "
+        f"{args.size_mb} MiB allreduce x {args.iters}, median of {args.runs} runs",
+        f"{'':28}{'local':>12}{'docker':>12}{'docker vs local':>20}   goal",
+        f"{'launch -> first collective':28}{local['launch']:>10.2f} s{docker['launch']:>10.2f} s"
+        f"{extra:>+18.2f} s   <= +2 s  {'met' if extra <= 2 else 'MISSED'}",
+        f"{'allreduce bus bandwidth':28}{local['busbw'] / 1e9:>7.2f} GB/s{docker['busbw'] / 1e9:>7.2f} GB/s"
+        f"{ratio:>19.2f}x   >= 0.9x  {'met' if ratio >= 0.9 else 'MISSED'}",
+    ]
+    if "docker-cold" in med:
+        lines.append(f"(docker cold start, creating the containers: launch -> first collective "
+                     f"{med['docker-cold']['launch']:.2f} s)")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kaitian bench docker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--image", action="append", default=[], metavar="VENDOR_OR_GROUP=IMAGE",
+                   help="image for the docker runs (as kaitianrun --image); default: the vendor table's")
+    p.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--groups", type=int, default=2, help="simulated CPU groups, one container each (default 2)")
+    p.add_argument("--backend", default="kaitian", help="process-group backend (default kaitian)")
+    p.add_argument("--size-mb", type=int, default=64, help="allreduce size in MiB (default 64)")
+    p.add_argument("--iters", type=int, default=10, help="timed allreduces per run (default 10)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per runtime (default 3)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds allowed per kaitianrun job")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``kaitian bench docker [--image cpu=IMAGE] [--runs N] [--size-mb M] [--backend B]``."""
+    from kaitian.launcher.runtimes.docker_plan import DockerRuntimeError
+
+    args = _parser().parse_args(list(argv or []))
+    try:
+        med = run_bench(args)
+    except (DockerRuntimeError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"kaitian bench docker: {exc}", file=sys.stderr)
+        return 1
+    print(_report(med, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
