@@ -70,6 +70,9 @@ class Settings:
         cpu_quota_mode: ``KAITIAN_CPU_QUOTA_MODE`` - how the local runtime enforces
             ``--cpu-quota``: ``auto`` (cgroup v1 cpu controller when writable,
             else a SIGSTOP/SIGCONT duty cycle), ``cgroup`` or ``signal``.
+        bridge_addr: ``KAITIAN_BRIDGE_ADDR`` - IPv4 address this rank's TCP bridge
+            listens on and advertises; ``None`` means derive it (the interface
+            that routes to ``MASTER_ADDR``).
     """
 
     device_type: Optional[str] = None
@@ -83,6 +86,7 @@ class Settings:
     config_path: str = ""
     monitor_dir: Optional[str] = None
     cpu_quota_mode: str = "auto"
+    bridge_addr: Optional[str] = None
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -106,6 +110,7 @@ class Settings:
             cpu_quota_mode=_choice(
                 env, "KAITIAN_CPU_QUOTA_MODE", "auto", ("auto", "cgroup", "signal")
             ),
+            bridge_addr=env.get("KAITIAN_BRIDGE_ADDR") or None,
         )
 
 

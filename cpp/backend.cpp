@@ -1,0 +1,817 @@
+// KaitianBackend: argument checks happen on the caller's thread (bad input fails
+// at once, naming the op); the communication itself runs on the op queues.
+#include "backend.hpp"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <map>
+#include <numeric>
+#include <optional>
+
+namespace kaitian {
+
+using c10d::OpType;
+using RedOp = c10d::ReduceOp;
+
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+uint8_t* bytesOf(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+void syncDevice(const c10::Device& d) {
+  if (d.is_cpu()) return;
+  c10::impl::VirtualGuardImpl impl(d.type());
+  impl.getStream(d).synchronize();
+}
+
+// A contiguous host tensor holding t's values (t itself when it already is one).
+at::Tensor hostCopyOf(const at::Tensor& t) {
+  if (t.is_cpu()) return t.contiguous();
+  auto h = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  h.copy_(t, /*non_blocking=*/true);
+  syncDevice(t.device());
+  return h;
+}
+
+// A contiguous host tensor to receive t's new values into (t itself if possible).
+at::Tensor hostBufferFor(const at::Tensor& t) {
+  if (t.is_cpu() && t.is_contiguous()) return t;
+  return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(!t.is_cpu()));
+}
+
+void writeBack(at::Tensor& t, const at::Tensor& h) {
+  if (t.is_cpu() && h.data_ptr() == t.data_ptr() && t.is_contiguous()) return;
+  t.copy_(h.view(t.sizes()), /*non_blocking=*/!t.is_cpu());
+  syncDevice(t.device());
+}
+
+std::vector<Range> evenStripes(int64_t n, int world) {
+  std::vector<Range> s(world);
+  for (int r = 0; r < world; ++r) s[r] = evenPart(n, world, r);
+  return s;
+}
+
+// Orders the progress thread's device work after what the caller queued so far.
+struct DeviceSync {
+  DeviceSync(c10::Device d, c10::Stream s) : device(d), side(s), ready(d.type()) {}
+  c10::Device device;
+  c10::Stream side;
+  c10::Event ready;
+};
+
+std::shared_ptr<DeviceSync> makeDeviceSync(const std::vector<at::Tensor>& tensors,
+                                           const char* op) {
+  std::optional<c10::Device> dev;
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.is_cpu()) continue;
+    if (!dev) {
+      dev = t.device();
+    } else {
+      TORCH_CHECK(*dev == t.device(), "kaitian ", op, ": tensors on ", *dev, " and ", t.device(),
+                  "; kaitian drives one device per process, move them to one device");
+    }
+  }
+  if (!dev) return nullptr;
+  c10::impl::VirtualGuardImpl impl(dev->type());
+  auto sync = std::make_shared<DeviceSync>(*dev, impl.getStreamFromGlobalPool(*dev));
+  sync->ready.record(impl.getStream(*dev));
+  return sync;
+}
+
+void checkSameKind(const char* op, const at::Tensor& ref, const at::Tensor& t,
+                   int64_t numel, const char* what) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "kaitian ", op, ": ", what, " has dtype ",
+              t.scalar_type(), " but the input has ", ref.scalar_type(),
+              "; use the same dtype");
+  TORCH_CHECK(t.numel() == numel, "kaitian ", op, ": ", what, " has ", t.numel(),
+              " elements, expected ", numel, "; check the tensor shapes");
+  TORCH_CHECK(t.layout() == at::kStrided, "kaitian ", op,
+              ": sparse tensors are not supported; call .to_dense() first");
+}
+
+void checkOne(const char* op, size_t n) {
+  TORCH_CHECK(n == 1, "kaitian ", op, ": expects exactly one tensor per rank, got ", n,
+              " (kaitian drives one device per process)");
+}
+
+}  // namespace
+
+KaitianBackend::KaitianBackend(int rank, int size, std::chrono::milliseconds timeout,
+                               Layout layout, c10::intrusive_ptr<c10d::Backend> intraDevice,
+                               c10::intrusive_ptr<c10d::Backend> intraCpu,
+                               std::unique_ptr<Bridge> bridge)
+    : c10d::Backend(rank, size),
+      layout_(std::move(layout)),
+      intraDevice_(std::move(intraDevice)),
+      intraCpu_(std::move(intraCpu)),
+      bridge_(std::move(bridge)),
+      timeout_(timeout) {
+  TORCH_CHECK(static_cast<int>(layout_.groupOf.size()) == size,
+              "kaitian: layout has ", layout_.groupOf.size(), " ranks, world has ", size);
+  TORCH_CHECK(size == 1 || bridge_ != nullptr, "kaitian: a bridge is required for world size > 1");
+  collectives_ = std::make_unique<OpQueue>("kaitian-coll");
+  sends_ = std::make_unique<OpQueue>("kaitian-send");
+  recvs_ = std::make_unique<OpQueue>("kaitian-recv");
+}
+
+KaitianBackend::~KaitianBackend() { shutdown(); }
+
+void KaitianBackend::shutdown() {
+  std::lock_guard<std::mutex> lock(shutdownMu_);
+  if (shutDown_) return;
+  shutDown_ = true;
+  stop_.store(true);
+  for (auto* q : {collectives_.get(), sends_.get(), recvs_.get()}) {
+    if (q) q->stop("the process group was shut down");
+  }
+  if (bridge_) bridge_->close();
+  if (intraDevice_) intraDevice_->shutdown();
+  if (intraCpu_) intraCpu_->shutdown();
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType type,
+                                                       const char* name,
+                                                       std::vector<at::Tensor> outputs,
+                                                       std::vector<at::Tensor> deviceTensors,
+                                                       std::chrono::milliseconds timeout,
+                                                       Body body) {
+  TORCH_CHECK(!stop_.load(), "kaitian ", name,
+              ": the process group was shut down; create a new one");
+  auto sync = makeDeviceSync(deviceTensors, name);
+  std::vector<c10::Device> devices;
+  if (sync) devices.push_back(sync->device);
+  auto work = c10::make_intrusive<KaitianWork>(getRank(), type, name, devices);
+  const auto limit = timeout.count() > 0 ? timeout : timeout_;
+  ++seq_;
+  std::string opName(name);
+  queue.push(OpQueue::Task{
+      [this, work, sync, body = std::move(body), outputs = std::move(outputs), limit, opName]() {
+        std::optional<c10::impl::VirtualGuardImpl> impl;
+        std::optional<c10::Device> prevDevice;
+        std::optional<c10::Stream> prevStream;
+        try {
+          if (sync) {
+            impl.emplace(sync->device.type());
+            prevDevice = impl->exchangeDevice(sync->device);
+            prevStream = impl->exchangeStream(sync->side);
+            sync->ready.block(sync->side);
+          }
+          const auto dl = Deadline::after(limit, opName, &stop_);
+          const int src = body(dl);
+          work->markDone(outputs, src);
+        } catch (...) {
+          work->markFailed(std::current_exception());
+        }
+        if (impl) {
+          impl->exchangeStream(*prevStream);
+          impl->setDevice(*prevDevice);
+        }
+      },
+      [work](std::exception_ptr e) { work->markFailed(e); }});
+  return work;
+}
+
+bool KaitianBackend::groupUsesVendor(int group, at::ScalarType dtype) const {
+  if (layout_.groupDevice[group] != "cpu") return true;  // device groups: always the vendor
+  if (layout_.flatIntra) return false;                   // kaitian's own shm intra path
+  return dtype != at::kBool;                             // gloo has no logical reductions
+}
+
+void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<Range> stripes,
+                                bool gather, const Deadline& dl) {
+  const auto dtype = flat.scalar_type();
+  const int W = getSize(), me = getRank();
+  const int G = static_cast<int>(layout_.groupNames.size());
+  applyPremul(op, flat);
+  const auto base = op.op_ == RedOp::PREMUL_SUM ? RedOp::SUM : op.op_;
+  // Source groups: a vendor group contributes one partial; otherwise every rank is one.
+  std::vector<std::vector<int>> groups;
+  std::vector<int> groupOf(W);
+  std::map<int, int> index;
+  for (int r = 0; r < W; ++r) {
+    const int g = layout_.groupOf[r];
+    const int key = groupUsesVendor(g, dtype) ? g : G + r;
+    auto it = index.find(key);
+    if (it == index.end()) {
+      it = index.emplace(key, static_cast<int>(groups.size())).first;
+      groups.emplace_back();
+    }
+    groups[it->second].push_back(r);
+    groupOf[r] = it->second;
+  }
+  if (groups[groupOf[me]].size() > 1) {
+    auto vendor = flat.is_cpu() ? intraCpu_ : intraDevice_;
+    TORCH_CHECK(vendor, "kaitian ", dl.what, ": no intra-group backend for ", flat.device(),
+                " tensors in group ", layout_.groupNames[layout_.groupOf[me]]);
+    c10d::AllreduceOptions o;
+    o.reduceOp = RedOp(base == RedOp::AVG ? RedOp::SUM : base);
+    std::vector<at::Tensor> v{flat};
+    vendor->allreduce(v, o)->wait();
+  }
+  at::Tensor host = flat.is_cpu() ? flat : hostCopyOf(flat);
+  Reducer reducer{base, dtype, W};
+  if (groups.size() == 1) {
+    reducer({host.data_ptr()}, host.numel(), host.data_ptr(), nullptr);
+  } else {
+    ReduceSpec spec{host, std::move(stripes), gather, std::move(groups), std::move(groupOf),
+                    reducer};
+    bridge_->reduce(spec, dl);
+  }
+  if (!flat.is_cpu()) {
+    flat.copy_(host, /*non_blocking=*/true);
+    syncDevice(flat.device());
+  }
+}
+
+void KaitianBackend::exchangeBytes(const uint8_t* blob, int64_t blobLen,
+                                   std::vector<int64_t> sendOff, std::vector<int64_t> sendLen,
+                                   std::vector<uint8_t*> recvPtr, std::vector<int64_t> recvLen,
+                                   const Deadline& dl) {
+  const int W = getSize(), me = getRank();
+  if (W == 1) {
+    if (sendLen[0] > 0 && recvPtr[0] != blob + sendOff[0]) {
+      std::memmove(recvPtr[0], blob + sendOff[0], sendLen[0]);
+    }
+    return;
+  }
+  for (int d = 0; d < W; ++d) {
+    TORCH_CHECK(sendOff[d] >= 0 && sendLen[d] >= 0 && sendOff[d] + sendLen[d] <= blobLen,
+                "kaitian ", dl.what, ": internal error: piece for rank ", d, " out of range");
+  }
+  TORCH_CHECK(sendLen[me] == recvLen[me], "kaitian ", dl.what, ": this rank sends ", sendLen[me],
+              " bytes to itself but expects ", recvLen[me], "; check the tensor shapes");
+  ExchangeSpec spec{blob, blobLen, std::move(sendOff), std::move(sendLen), std::move(recvPtr),
+                    std::move(recvLen)};
+  bridge_->exchange(spec, dl);
+}
+
+// ---------------------------------------------------------------- reductions
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
+  checkOne("allreduce", tensors.size());
+  at::Tensor t = tensors[0];
+  TORCH_CHECK(t.layout() == at::kStrided,
+              "kaitian allreduce: sparse tensors are not supported; call .to_dense() first");
+  checkReduceSupported("allreduce", opts.reduceOp.op_, t.scalar_type());
+  const RedOp op = opts.reduceOp;
+  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", tensors, tensors, opts.timeout,
+                 [this, t, op](const Deadline& dl) mutable {
+                   if (t.numel() == 0) return -1;
+                   at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
+                   reduceFlat(flat, op, evenStripes(flat.numel(), getSize()), true, dl);
+                   if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK(!tensors.empty(), "kaitian allreduce_coalesced: no tensors given");
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
+                "kaitian allreduce_coalesced: all tensors must share one dtype and device (got ",
+                t.scalar_type(), " on ", t.device(), " and ", tensors[0].scalar_type(), " on ",
+                tensors[0].device(), "); issue one call per dtype");
+    checkReduceSupported("allreduce_coalesced", opts.reduceOp.op_, t.scalar_type());
+  }
+  const RedOp op = opts.reduceOp;
+  auto ts = tensors;
+  return enqueue(*collectives_, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
+                 tensors, opts.timeout, [this, ts, op](const Deadline& dl) mutable {
+                   std::vector<at::Tensor> flats;
+                   for (auto& t : ts) flats.push_back(t.reshape({-1}));
+                   at::Tensor flat = at::cat(flats);
+                   if (flat.numel() == 0) return -1;
+                   reduceFlat(flat, op, evenStripes(flat.numel(), getSize()), true, dl);
+                   int64_t off = 0;
+                   for (auto& t : ts) {
+                     t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+                     off += t.numel();
+                   }
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::ReduceOptions& opts) {
+  checkOne("reduce", tensors.size());
+  at::Tensor t = tensors[0];
+  checkReduceSupported("reduce", opts.reduceOp.op_, t.scalar_type());
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < getSize(), "kaitian reduce: root ", root,
+              " is not a rank of this group of ", getSize());
+  const RedOp op = opts.reduceOp;
+  return enqueue(*collectives_, OpType::REDUCE, "reduce", tensors, tensors, opts.timeout,
+                 [this, t, op, root](const Deadline& dl) mutable {
+                   if (t.numel() == 0) return -1;
+                   const bool isRoot = getRank() == root;
+                   // Non-roots keep their input: reduce a copy.
+                   at::Tensor flat = (isRoot && t.is_contiguous()) ? t.view({-1})
+                                                                   : t.reshape({-1}).clone();
+                   std::vector<Range> stripes(getSize());
+                   stripes[root] = Range{0, flat.numel()};
+                   reduceFlat(flat, op, stripes, false, dl);
+                   if (isRoot && flat.data_ptr() != t.data_ptr()) t.copy_(flat.view(t.sizes()));
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  checkOne("reduce_scatter", outputs.size());
+  checkOne("reduce_scatter", inputs.size());
+  at::Tensor out = outputs[0];
+  auto ins = inputs[0];
+  TORCH_CHECK(static_cast<int>(ins.size()) == getSize(), "kaitian reduce_scatter: input list has ",
+              ins.size(), " tensors, expected one per rank (", getSize(), ")");
+  for (const auto& t : ins) checkSameKind("reduce_scatter", out, t, out.numel(), "an input");
+  checkReduceSupported("reduce_scatter", opts.reduceOp.op_, out.scalar_type());
+  const RedOp op = opts.reduceOp;
+  std::vector<at::Tensor> all = ins;
+  all.push_back(out);
+  return enqueue(*collectives_, OpType::REDUCE_SCATTER, "reduce_scatter", outputs, all,
+                 opts.timeout, [this, out, ins, op](const Deadline& dl) mutable {
+                   const int64_t m = out.numel();
+                   if (m == 0) return -1;
+                   std::vector<at::Tensor> flats;
+                   for (auto& t : ins) flats.push_back(t.reshape({-1}));
+                   at::Tensor flat = at::cat(flats);
+                   std::vector<Range> stripes(getSize());
+                   for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
+                   reduceFlat(flat, op, stripes, false, dl);
+                   out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  at::Tensor out = output, in = input;
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian reduce_scatter_tensor: input dtype ",
+              in.scalar_type(), " differs from output dtype ", out.scalar_type());
+  TORCH_CHECK(in.numel() == out.numel() * getSize(), "kaitian reduce_scatter_tensor: input has ",
+              in.numel(), " elements, expected world size (", getSize(), ") x output (",
+              out.numel(), ")");
+  checkReduceSupported("reduce_scatter_tensor", opts.reduceOp.op_, out.scalar_type());
+  const RedOp op = opts.reduceOp;
+  return enqueue(*collectives_, OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out},
+                 {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
+                   const int64_t m = out.numel();
+                   if (m == 0) return -1;
+                   at::Tensor flat = in.reshape({-1}).clone();
+                   std::vector<Range> stripes(getSize());
+                   for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
+                   reduceFlat(flat, op, stripes, false, dl);
+                   out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "kaitian reduce_scatter_tensor_coalesced: ",
+              outputs.size(), " outputs but ", inputs.size(), " inputs");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].numel() == outputs[i].numel() * getSize() &&
+                    inputs[i].scalar_type() == outputs[i].scalar_type(),
+                "kaitian reduce_scatter_tensor_coalesced: input ", i,
+                " must have world size x the output's elements and the same dtype");
+    checkReduceSupported("reduce_scatter_tensor_coalesced", opts.reduceOp.op_,
+                         outputs[i].scalar_type());
+  }
+  const RedOp op = opts.reduceOp;
+  auto outs = outputs, ins = inputs;
+  std::vector<at::Tensor> all = ins;
+  all.insert(all.end(), outs.begin(), outs.end());
+  return enqueue(*collectives_, OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+                 "reduce_scatter_tensor_coalesced", outputs, all, opts.timeout,
+                 [this, outs, ins, op](const Deadline& dl) mutable {
+                   for (size_t i = 0; i < outs.size(); ++i) {
+                     const int64_t m = outs[i].numel();
+                     if (m == 0) continue;
+                     at::Tensor flat = ins[i].reshape({-1}).clone();
+                     std::vector<Range> stripes(getSize());
+                     for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
+                     reduceFlat(flat, op, stripes, false, dl);
+                     outs[i].copy_(flat.narrow(0, getRank() * m, m).view(outs[i].sizes()));
+                   }
+                   return -1;
+                 });
+}
+
+// ------------------------------------------------------------- data movement
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                         const c10d::BroadcastOptions& opts) {
+  checkOne("broadcast", tensors.size());
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < getSize(), "kaitian broadcast: root ", root,
+              " is not a rank of this group of ", getSize());
+  at::Tensor t = tensors[0];
+  TORCH_CHECK(t.layout() == at::kStrided,
+              "kaitian broadcast: sparse tensors are not supported; call .to_dense() first");
+  return enqueue(*collectives_, OpType::BROADCAST, "broadcast", tensors, tensors, opts.timeout,
+                 [this, t, root](const Deadline& dl) mutable {
+                   const int W = getSize(), me = getRank();
+                   const int64_t nb = nbytes(t);
+                   std::vector<int64_t> off(W, 0), len(W, 0), rlen(W, 0);
+                   std::vector<uint8_t*> rptr(W, nullptr);
+                   if (me == root) {
+                     at::Tensor h = hostCopyOf(t);
+                     for (int d = 0; d < W; ++d) len[d] = d == me ? 0 : nb;
+                     exchangeBytes(bytesOf(h), nb, off, len, rptr, rlen, dl);
+                   } else {
+                     at::Tensor h = hostBufferFor(t);
+                     rptr[root] = bytesOf(h);
+                     rlen[root] = nb;
+                     exchangeBytes(nullptr, 0, off, len, rptr, rlen, dl);
+                     writeBack(t, h);
+                   }
+                   return -1;
+                 });
+}
+
+namespace {
+// Shared body of allgather-like ops: every rank sends `in` to every rank; the
+// piece from rank s lands in outs[s].
+struct GatherPlan {
+  std::vector<at::Tensor> targets;  // user tensors to write back (may be empty)
+  std::vector<at::Tensor> buffers;  // host buffers, one per source
+};
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  checkOne("allgather", inputs.size());
+  checkOne("allgather", outputs.size());
+  at::Tensor in = inputs[0];
+  auto outs = outputs[0];
+  TORCH_CHECK(static_cast<int>(outs.size()) == getSize(), "kaitian allgather: output list has ",
+              outs.size(), " tensors, expected one per rank (", getSize(), ")");
+  for (const auto& o : outs) checkSameKind("allgather", in, o, in.numel(), "an output");
+  std::vector<at::Tensor> all = outs;
+  all.push_back(in);
+  return enqueue(*collectives_, OpType::ALLGATHER, "allgather", outs, all, opts.timeout,
+                 [this, in, outs](const Deadline& dl) mutable {
+                   const int W = getSize();
+                   const int64_t nb = nbytes(in);
+                   at::Tensor h = hostCopyOf(in);
+                   std::vector<at::Tensor> bufs;
+                   std::vector<uint8_t*> rptr(W);
+                   for (int s = 0; s < W; ++s) {
+                     bufs.push_back(hostBufferFor(outs[s]));
+                     rptr[s] = bytesOf(bufs[s]);
+                   }
+                   exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
+                                 std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
+                                 dl);
+                   for (int s = 0; s < W; ++s) writeBack(outs[s], bufs[s]);
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  at::Tensor out = output, in = input;
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian allgather_into_tensor: input dtype ",
+              in.scalar_type(), " differs from output dtype ", out.scalar_type());
+  TORCH_CHECK(out.numel() == in.numel() * getSize(), "kaitian allgather_into_tensor: output has ",
+              out.numel(), " elements, expected world size (", getSize(), ") x input (",
+              in.numel(), ")");
+  return enqueue(*collectives_, OpType::_ALLGATHER_BASE, "allgather_into_tensor", {out},
+                 {in, out}, opts.timeout, [this, in, out](const Deadline& dl) mutable {
+                   const int W = getSize();
+                   const int64_t nb = nbytes(in);
+                   at::Tensor h = hostCopyOf(in);
+                   at::Tensor ob = hostBufferFor(out);
+                   std::vector<uint8_t*> rptr(W);
+                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(ob) + s * nb;
+                   exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
+                                 std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
+                                 dl);
+                   writeBack(out, ob);
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const int W = getSize();
+  TORCH_CHECK(outputs.size() == static_cast<size_t>(W),
+              "kaitian allgather_coalesced: expected one output list per rank (", W, "), got ",
+              outputs.size());
+  for (const auto& list : outputs) {
+    TORCH_CHECK(list.size() == inputs.size(), "kaitian allgather_coalesced: each output list must "
+                "have as many tensors as the input list (", inputs.size(), ")");
+    for (size_t i = 0; i < list.size(); ++i) {
+      checkSameKind("allgather_coalesced", inputs[i], list[i], inputs[i].numel(), "an output");
+    }
+  }
+  auto ins = inputs;
+  auto outs = outputs;
+  std::vector<at::Tensor> flatOuts, all = inputs;
+  for (auto& l : outputs) {
+    flatOuts.insert(flatOuts.end(), l.begin(), l.end());
+  }
+  all.insert(all.end(), flatOuts.begin(), flatOuts.end());
+  return enqueue(*collectives_, OpType::ALLGATHER_COALESCED, "allgather_coalesced", flatOuts, all,
+                 opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
+                   const int W = getSize();
+                   // One exchange: the inputs concatenated as bytes.
+                   std::vector<at::Tensor> hs;
+                   for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}).view(at::kByte));
+                   at::Tensor blob = hs.empty() ? at::empty({0}, at::kByte) : at::cat(hs);
+                   const int64_t nb = blob.numel();
+                   at::Tensor recv = at::empty({W, nb}, at::kByte);
+                   std::vector<uint8_t*> rptr(W);
+                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(recv) + s * nb;
+                   exchangeBytes(bytesOf(blob), nb, std::vector<int64_t>(W, 0),
+                                 std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
+                                 dl);
+                   for (int s = 0; s < W; ++s) {
+                     int64_t off = 0;
+                     for (size_t i = 0; i < ins.size(); ++i) {
+                       const int64_t b = nbytes(ins[i]);
+                       at::Tensor piece = recv[s].narrow(0, off, b).view(ins[i].scalar_type());
+                       outs[s][i].copy_(piece.view(outs[s][i].sizes()));
+                       off += b;
+                     }
+                   }
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "kaitian allgather_into_tensor_coalesced: ",
+              outputs.size(), " outputs but ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(outputs[i].numel() == inputs[i].numel() * getSize() &&
+                    outputs[i].scalar_type() == inputs[i].scalar_type(),
+                "kaitian allgather_into_tensor_coalesced: output ", i,
+                " must have world size x the input's elements and the same dtype");
+  }
+  auto ins = inputs, outs = outputs;
+  std::vector<at::Tensor> all = ins;
+  all.insert(all.end(), outs.begin(), outs.end());
+  return enqueue(*collectives_, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs,
+                 all, opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
+                   const int W = getSize();
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     const int64_t nb = nbytes(ins[i]);
+                     at::Tensor h = hostCopyOf(ins[i]);
+                     at::Tensor ob = hostBufferFor(outs[i]);
+                     std::vector<uint8_t*> rptr(W);
+                     for (int s = 0; s < W; ++s) rptr[s] = bytesOf(ob) + s * nb;
+                     exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
+                                   std::vector<int64_t>(W, nb), rptr,
+                                   std::vector<int64_t>(W, nb), dl);
+                     writeBack(outs[i], ob);
+                   }
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  checkOne("gather", inputs.size());
+  const int root = static_cast<int>(opts.rootRank), W = getSize(), me = getRank();
+  TORCH_CHECK(root >= 0 && root < W, "kaitian gather: root ", root, " is not a rank of this group");
+  at::Tensor in = inputs[0];
+  std::vector<at::Tensor> outs;
+  if (me == root) {
+    checkOne("gather (output lists on the root)", outputs.size());
+    outs = outputs[0];
+    TORCH_CHECK(static_cast<int>(outs.size()) == W, "kaitian gather: the root's gather_list has ",
+                outs.size(), " tensors, expected one per rank (", W, ")");
+    for (const auto& o : outs) checkSameKind("gather", in, o, in.numel(), "a gather_list entry");
+  } else {
+    TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                "kaitian gather: only the root (rank ", root, ") may pass a gather_list");
+  }
+  std::vector<at::Tensor> all = outs;
+  all.push_back(in);
+  return enqueue(*collectives_, OpType::GATHER, "gather", outs, all, opts.timeout,
+                 [this, in, outs, root](const Deadline& dl) mutable {
+                   const int W = getSize(), me = getRank();
+                   const int64_t nb = nbytes(in);
+                   at::Tensor h = hostCopyOf(in);
+                   std::vector<int64_t> len(W, 0), rlen(W, 0);
+                   std::vector<uint8_t*> rptr(W, nullptr);
+                   std::vector<at::Tensor> bufs;
+                   len[root] = nb;
+                   if (me == root) {
+                     for (int s = 0; s < W; ++s) {
+                       bufs.push_back(hostBufferFor(outs[s]));
+                       rptr[s] = bytesOf(bufs[s]);
+                       rlen[s] = nb;
+                     }
+                   }
+                   exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0), len, rptr, rlen, dl);
+                   if (me == root) {
+                     for (int s = 0; s < W; ++s) writeBack(outs[s], bufs[s]);
+                   }
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  checkOne("scatter", outputs.size());
+  const int root = static_cast<int>(opts.rootRank), W = getSize(), me = getRank();
+  TORCH_CHECK(root >= 0 && root < W, "kaitian scatter: root ", root, " is not a rank of this group");
+  at::Tensor out = outputs[0];
+  std::vector<at::Tensor> ins;
+  if (me == root) {
+    checkOne("scatter (input lists on the root)", inputs.size());
+    ins = inputs[0];
+    TORCH_CHECK(static_cast<int>(ins.size()) == W, "kaitian scatter: the root's scatter_list has ",
+                ins.size(), " tensors, expected one per rank (", W, ")");
+    for (const auto& t : ins) checkSameKind("scatter", out, t, out.numel(), "a scatter_list entry");
+  } else {
+    TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+                "kaitian scatter: only the root (rank ", root, ") may pass a scatter_list");
+  }
+  std::vector<at::Tensor> all = ins;
+  all.push_back(out);
+  return enqueue(*collectives_, OpType::SCATTER, "scatter", outputs, all, opts.timeout,
+                 [this, out, ins, root](const Deadline& dl) mutable {
+                   const int W = getSize(), me = getRank();
+                   const int64_t nb = nbytes(out);
+                   at::Tensor ob = hostBufferFor(out);
+                   std::vector<int64_t> off(W, 0), len(W, 0), rlen(W, 0);
+                   std::vector<uint8_t*> rptr(W, nullptr);
+                   rptr[root] = bytesOf(ob);
+                   rlen[root] = nb;
+                   at::Tensor blob;
+                   if (me == root) {
+                     std::vector<at::Tensor> hs;
+                     for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}));
+                     blob = at::cat(hs);
+                     for (int d = 0; d < W; ++d) {
+                       off[d] = d * nb;
+                       len[d] = nb;
+                     }
+                   }
+                   exchangeBytes(blob.defined() ? bytesOf(blob) : nullptr,
+                                 blob.defined() ? nbytes(blob) : 0, off, len, rptr, rlen, dl);
+                   writeBack(out, ob);
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
+  const int W = getSize();
+  at::Tensor out = output, in = input;
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian alltoall_single: input dtype ",
+              in.scalar_type(), " differs from output dtype ", out.scalar_type());
+  auto splits = [&](std::vector<int64_t> s, const at::Tensor& t, const char* which) {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    if (s.empty()) {
+      TORCH_CHECK(rows % W == 0, "kaitian alltoall_single: ", which, " dim 0 (", rows,
+                  ") is not divisible by the world size (", W, "); pass split sizes");
+      return std::vector<int64_t>(W, rows / W);
+    }
+    TORCH_CHECK(static_cast<int>(s.size()) == W, "kaitian alltoall_single: ", which,
+                " split sizes has ", s.size(), " entries, expected ", W);
+    TORCH_CHECK(std::accumulate(s.begin(), s.end(), int64_t{0}) == rows,
+                "kaitian alltoall_single: ", which, " split sizes sum to ",
+                std::accumulate(s.begin(), s.end(), int64_t{0}), " but dim 0 is ", rows);
+    return s;
+  };
+  auto inS = splits(inputSplitSizes, in, "input");
+  auto outS = splits(outputSplitSizes, out, "output");
+  const int64_t inRow = in.dim() == 0 || in.size(0) == 0 ? 0 : in.numel() / in.size(0);
+  const int64_t outRow = out.dim() == 0 || out.size(0) == 0 ? 0 : out.numel() / out.size(0);
+  TORCH_CHECK(inRow == outRow || inRow == 0 || outRow == 0,
+              "kaitian alltoall_single: input rows have ", inRow, " elements, output rows ",
+              outRow, "; use matching trailing dimensions");
+  return enqueue(*collectives_, OpType::ALLTOALL_BASE, "alltoall_single", {out}, {in, out},
+                 opts.timeout, [this, in, out, inS, outS, inRow, outRow](const Deadline& dl) mutable {
+                   const int W = getSize();
+                   const int64_t es = in.element_size();
+                   at::Tensor h = hostCopyOf(in);
+                   at::Tensor ob = hostBufferFor(out);
+                   std::vector<int64_t> off(W), len(W), rlen(W);
+                   std::vector<uint8_t*> rptr(W);
+                   int64_t so = 0, ro = 0;
+                   for (int r = 0; r < W; ++r) {
+                     off[r] = so * inRow * es;
+                     len[r] = inS[r] * inRow * es;
+                     so += inS[r];
+                     rptr[r] = bytesOf(ob) + ro * outRow * es;
+                     rlen[r] = outS[r] * outRow * es;
+                     ro += outS[r];
+                   }
+                   exchangeBytes(bytesOf(h), nbytes(h), off, len, rptr, rlen, dl);
+                   writeBack(out, ob);
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::AllToAllOptions& opts) {
+  const int W = getSize();
+  TORCH_CHECK(static_cast<int>(outputs.size()) == W && static_cast<int>(inputs.size()) == W,
+              "kaitian alltoall: expects one input and one output tensor per rank (", W,
+              "), got ", inputs.size(), " inputs and ", outputs.size(), " outputs");
+  for (int r = 0; r < W; ++r) {
+    TORCH_CHECK(outputs[r].scalar_type() == inputs[0].scalar_type() &&
+                    inputs[r].scalar_type() == inputs[0].scalar_type(),
+                "kaitian alltoall: all tensors must share one dtype");
+  }
+  auto ins = inputs, outs = outputs;
+  std::vector<at::Tensor> all = ins;
+  all.insert(all.end(), outs.begin(), outs.end());
+  return enqueue(*collectives_, OpType::ALLTOALL, "alltoall", outputs, all, opts.timeout,
+                 [this, ins, outs](const Deadline& dl) mutable {
+                   const int W = getSize();
+                   std::vector<at::Tensor> hs;
+                   for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}));
+                   at::Tensor blob = at::cat(hs);
+                   std::vector<int64_t> off(W), len(W), rlen(W);
+                   std::vector<uint8_t*> rptr(W);
+                   std::vector<at::Tensor> bufs;
+                   int64_t o = 0;
+                   for (int r = 0; r < W; ++r) {
+                     off[r] = o;
+                     len[r] = nbytes(ins[r]);
+                     o += len[r];
+                     bufs.push_back(hostBufferFor(outs[r]));
+                     rptr[r] = bytesOf(bufs[r]);
+                     rlen[r] = nbytes(outs[r]);
+                   }
+                   exchangeBytes(bytesOf(blob), nbytes(blob), off, len, rptr, rlen, dl);
+                   for (int r = 0; r < W; ++r) writeBack(outs[r], bufs[r]);
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::barrier(const c10d::BarrierOptions& opts) {
+  return enqueue(*collectives_, OpType::BARRIER, "barrier", {}, {}, opts.timeout,
+                 [this](const Deadline& dl) {
+                   const int W = getSize();
+                   exchangeBytes(nullptr, 0, std::vector<int64_t>(W, 0),
+                                 std::vector<int64_t>(W, 0), std::vector<uint8_t*>(W, nullptr),
+                                 std::vector<int64_t>(W, 0), dl);
+                   return -1;
+                 });
+}
+
+// ------------------------------------------------------------ point to point
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
+                                                    int tag) {
+  checkOne("send", tensors.size());
+  TORCH_CHECK(dstRank >= 0 && dstRank < getSize(), "kaitian send: destination ", dstRank,
+              " is not a rank of this group of ", getSize());
+  at::Tensor t = tensors[0];
+  return enqueue(*sends_, OpType::SEND, "send", tensors, tensors, std::chrono::milliseconds(0),
+                 [this, t, dstRank, tag](const Deadline& dl) {
+                   at::Tensor h = hostCopyOf(t);
+                   bridge_->send(dstRank, h.data_ptr(), nbytes(h), tag, dl);
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                                    int tag) {
+  checkOne("recv", tensors.size());
+  TORCH_CHECK(srcRank >= 0 && srcRank < getSize(), "kaitian recv: source ", srcRank,
+              " is not a rank of this group of ", getSize());
+  at::Tensor t = tensors[0];
+  return enqueue(*recvs_, OpType::RECV, "recv", tensors, tensors, std::chrono::milliseconds(0),
+                 [this, t, srcRank, tag](const Deadline& dl) mutable {
+                   at::Tensor h = hostBufferFor(t);
+                   const int src = bridge_->recv(srcRank, h.data_ptr(), nbytes(h), tag, dl);
+                   writeBack(t, h);
+                   return src;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                             int tag) {
+  checkOne("recv", tensors.size());
+  at::Tensor t = tensors[0];
+  return enqueue(*recvs_, OpType::RECVANYSOURCE, "recv", tensors, tensors,
+                 std::chrono::milliseconds(0), [this, t, tag](const Deadline& dl) mutable {
+                   at::Tensor h = hostBufferFor(t);
+                   const int src = bridge_->recv(-1, h.data_ptr(), nbytes(h), tag, dl);
+                   writeBack(t, h);
+                   return src;
+                 });
+}
+
+}  // namespace kaitian

@@ -1,0 +1,120 @@
+// KaitianBackend: one c10d process group over ranks on different vendors'
+// devices. Inside a vendor group it calls the vendor's own backend (built in
+// Python and passed in); across groups it goes through a host-memory Bridge.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <atomic>
+#include <memory>
+
+#include "bridge.hpp"
+#include "work.hpp"
+
+namespace kaitian {
+
+struct Layout {
+  std::vector<int> groupOf;              // per rank: index of its vendor group
+  std::vector<std::string> groupNames;   // per group
+  std::vector<std::string> groupDevice;  // per group: device type ("cpu", "cuda", ...)
+  bool flatIntra = true;                 // CPU groups: reduce through the bridge, not the vendor
+};
+
+class KaitianBackend : public c10d::Backend {
+ public:
+  KaitianBackend(int rank, int size, std::chrono::milliseconds timeout, Layout layout,
+                 c10::intrusive_ptr<c10d::Backend> intraDevice,
+                 c10::intrusive_ptr<c10d::Backend> intraCpu, std::unique_ptr<Bridge> bridge);
+  ~KaitianBackend() override;
+
+  const std::string getBackendName() const override { return "kaitian"; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void shutdown() override;
+  void abort() override { shutdown(); }
+  void setSequenceNumberForGroup() override { seq_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return seq_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Introspection for Python and tests.
+  const Layout& layout() const { return layout_; }
+  std::string bridgeKind() const { return bridge_ ? bridge_->kind() : "none"; }
+  std::vector<std::pair<uintptr_t, int64_t>> bridgeRegions() const {
+    return bridge_ ? bridge_->regions() : std::vector<std::pair<uintptr_t, int64_t>>{};
+  }
+  bool hasIntra() const { return intraDevice_.defined() || intraCpu_.defined(); }
+
+ private:
+  using Body = std::function<int(const Deadline&)>;  // returns the source rank (recv) or -1
+  c10::intrusive_ptr<c10d::Work> enqueue(OpQueue& queue, c10d::OpType type, const char* name,
+                                         std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> deviceTensors,
+                                         std::chrono::milliseconds timeout, Body body);
+  // Reduces `flat` (contiguous, 1-D, on its device) over the world: vendor step
+  // inside groups that use their vendor, then the bridge across source groups.
+  // Rank r ends up with stripes[r] reduced (every stripe when `gather`).
+  void reduceFlat(at::Tensor& flat, const c10d::ReduceOp& op, std::vector<Range> stripes,
+                  bool gather, const Deadline& dl);
+  bool groupUsesVendor(int group, at::ScalarType dtype) const;
+  void exchangeBytes(const uint8_t* blob, int64_t blobLen, std::vector<int64_t> sendOff,
+                     std::vector<int64_t> sendLen, std::vector<uint8_t*> recvPtr,
+                     std::vector<int64_t> recvLen, const Deadline& dl);
+
+  Layout layout_;
+  c10::intrusive_ptr<c10d::Backend> intraDevice_, intraCpu_;
+  std::unique_ptr<Bridge> bridge_;
+  std::chrono::milliseconds timeout_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> seq_{0};
+  std::mutex shutdownMu_;
+  bool shutDown_ = false;
+  std::unique_ptr<OpQueue> collectives_, sends_, recvs_;
+};
+
+}  // namespace kaitian

@@ -1,0 +1,65 @@
+// The inter-group bridge interface: host-memory collectives between all ranks.
+// Two implementations: shared memory on one host (shm_bridge.cpp) and TCP
+// (tcp_bridge.cpp). The backend builds every op from these primitives.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.hpp"
+#include "host_reduce.hpp"
+
+namespace kaitian {
+
+// A reduction across "source groups". Each group contributes one partial: after
+// the intra-group step every rank of group g holds g's partial, and the group's
+// ranks share the publishing work (rank i of g owns stripe i of g's partition).
+struct ReduceSpec {
+  at::Tensor buf;                          // contiguous 1-D host tensor, this rank's partial
+  std::vector<Range> stripes;              // per rank: the elements it reduces
+  bool gather = true;                      // copy every stripe's result to every rank
+  std::vector<std::vector<int>> groups;    // source groups: ranks, in group-rank order
+  std::vector<int> groupOf;                // per rank: index into `groups`
+  Reducer reducer;
+};
+
+// One all-to-all-v exchange: this rank offers one byte blob; rank d receives
+// blob[sendOff[d], sendOff[d] + sendLen[d]) into recvPtr[s] of its own call.
+struct ExchangeSpec {
+  const uint8_t* blob = nullptr;
+  int64_t blobLen = 0;
+  std::vector<int64_t> sendOff, sendLen;   // per destination rank
+  std::vector<uint8_t*> recvPtr;           // per source rank
+  std::vector<int64_t> recvLen;            // per source rank
+};
+
+class Bridge {
+ public:
+  virtual ~Bridge() = default;
+  virtual std::string kind() const = 0;
+  // Collective reduction; see ReduceSpec. On return buf holds this rank's stripe
+  // result (and every stripe when spec.gather).
+  virtual void reduce(ReduceSpec& spec, const Deadline& dl) = 0;
+  // Collective all-to-all-v; also a barrier (every rank waits for every other).
+  virtual void exchange(const ExchangeSpec& spec, const Deadline& dl) = 0;
+  // Point-to-point; may run concurrently with collectives (other threads).
+  virtual void send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) = 0;
+  // Receives from `src` (or any source when src < 0); returns the source rank.
+  virtual int recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) = 0;
+  // Memory regions a vendor runtime may pin (ptr, bytes).
+  virtual std::vector<std::pair<uintptr_t, int64_t>> regions() const { return {}; }
+  // Releases OS resources; further calls fail.
+  virtual void close() = 0;
+};
+
+// Per-chunk reduction helpers shared by both bridges.
+namespace detail {
+// The rank of group `g` whose publishing stripe contains element `e` of an
+// `n`-element buffer, and that stripe.
+std::pair<int, Range> ownerOf(const ReduceSpec& spec, int g, int64_t n, int64_t e);
+}  // namespace detail
+
+}  // namespace kaitian

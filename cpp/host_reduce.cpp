@@ -1,0 +1,141 @@
+// Host reductions. Memory-bound: the float32/float64 SUM path is a plain loop the
+// compiler vectorises and writes both destinations in one pass (no extra copy).
+#include "host_reduce.hpp"
+
+#include <cstring>
+
+namespace kaitian {
+
+using Op = c10d::ReduceOp;
+
+const char* reduceOpName(Op::RedOpType op) {
+  switch (op) {
+    case Op::SUM: return "SUM";
+    case Op::AVG: return "AVG";
+    case Op::PRODUCT: return "PRODUCT";
+    case Op::MIN: return "MIN";
+    case Op::MAX: return "MAX";
+    case Op::BAND: return "BAND";
+    case Op::BOR: return "BOR";
+    case Op::BXOR: return "BXOR";
+    case Op::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "UNKNOWN";
+  }
+}
+
+void checkReduceSupported(const char* opName, Op::RedOpType op, at::ScalarType dtype) {
+  const bool floating = at::isFloatingType(dtype);
+  const bool integral = at::isIntegralType(dtype, /*includeBool=*/false);
+  const bool boolean = dtype == at::kBool;
+  TORCH_CHECK(floating || integral || boolean, "kaitian ", opName, ": dtype ", dtype,
+              " is not supported (use float16/32/64, bfloat16, int8/16/32/64, uint8 or bool)");
+  switch (op) {
+    case Op::SUM: case Op::PRODUCT: case Op::MIN: case Op::MAX:
+      return;
+    case Op::AVG: case Op::PREMUL_SUM:
+      TORCH_CHECK(!boolean, "kaitian ", opName, ": ReduceOp.", reduceOpName(op),
+                  " is not defined for bool tensors; use MIN/MAX/BAND/BOR or convert to int");
+      TORCH_CHECK(op != Op::PREMUL_SUM || floating, "kaitian ", opName,
+                  ": PREMUL_SUM needs a floating-point tensor, got ", dtype);
+      return;
+    case Op::BAND: case Op::BOR: case Op::BXOR:
+      TORCH_CHECK(!floating, "kaitian ", opName, ": bitwise ReduceOp.", reduceOpName(op),
+                  " is not defined for ", dtype, "; use an integer or bool tensor");
+      return;
+    default:
+      TORCH_CHECK(false, "kaitian ", opName, ": unsupported reduce op ", static_cast<int>(op));
+  }
+}
+
+void applyPremul(const c10d::ReduceOp& op, at::Tensor& t) {
+  if (op.op_ != Op::PREMUL_SUM) return;
+  auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK(sup != nullptr, "kaitian: PREMUL_SUM without a factor; create it with "
+                              "torch.distributed._make_nccl_premul_sum(factor)");
+  if (sup->tensor_factor.defined()) {
+    t.mul_(sup->tensor_factor.to(t.device()));
+  } else {
+    t.mul_(sup->double_factor);
+  }
+}
+
+namespace {
+
+template <typename T>
+void sumLoop(const std::vector<const void*>& srcs, int64_t n, T* d0, T* d1) {
+  const T* a = static_cast<const T*>(srcs[0]);
+  const T* __restrict b = static_cast<const T*>(srcs[1]);
+  if (srcs.size() == 2 && d1 != nullptr) {
+    T* __restrict o1 = d1;
+    for (int64_t i = 0; i < n; ++i) {
+      const T v = a[i] + b[i];
+      d0[i] = v;
+      o1[i] = v;
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) d0[i] = a[i] + b[i];
+  for (size_t k = 2; k < srcs.size(); ++k) {
+    const T* __restrict s = static_cast<const T*>(srcs[k]);
+    for (int64_t i = 0; i < n; ++i) d0[i] += s[i];
+  }
+  if (d1 != nullptr) std::memcpy(d1, d0, n * sizeof(T));
+}
+
+at::Tensor view(const void* p, int64_t n, at::ScalarType dtype) {
+  return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(dtype));
+}
+
+}  // namespace
+
+void Reducer::operator()(const std::vector<const void*>& srcs, int64_t count, void* dst0,
+                         void* dst1) const {
+  if (count == 0) return;
+  const size_t esize = c10::elementSize(dtype);
+  if (srcs.size() == 1) {
+    // A single contribution: only AVG changes it.
+    if (op != Op::AVG || divisor == 1) {
+      if (dst0 != srcs[0]) std::memcpy(dst0, srcs[0], count * esize);
+      if (dst1) std::memcpy(dst1, srcs[0], count * esize);
+      return;
+    }
+  }
+  const bool plainSum = op == Op::SUM || op == Op::PREMUL_SUM;
+  if (plainSum && srcs.size() >= 2 && dtype == at::kFloat) {
+    sumLoop<float>(srcs, count, static_cast<float*>(dst0), static_cast<float*>(dst1));
+    return;
+  }
+  if (plainSum && srcs.size() >= 2 && dtype == at::kDouble) {
+    sumLoop<double>(srcs, count, static_cast<double*>(dst0), static_cast<double*>(dst1));
+    return;
+  }
+  // General path: accumulate in a private tensor (float32 for half types so that
+  // cross-group sums do not lose precision), then write the destinations.
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  at::Tensor acc = view(srcs[0], count, dtype).to(half ? at::kFloat : dtype, false, /*copy=*/true);
+  for (size_t k = 1; k < srcs.size(); ++k) {
+    at::Tensor s = view(srcs[k], count, dtype);
+    if (half) s = s.to(at::kFloat);
+    switch (op) {
+      case Op::SUM: case Op::AVG: case Op::PREMUL_SUM: acc.add_(s); break;
+      case Op::PRODUCT: acc.mul_(s); break;
+      case Op::MIN: at::minimum_out(acc, acc, s); break;
+      case Op::MAX: at::maximum_out(acc, acc, s); break;
+      case Op::BAND: acc.bitwise_and_(s); break;
+      case Op::BOR: acc.bitwise_or_(s); break;
+      case Op::BXOR: acc.bitwise_xor_(s); break;
+      default: TORCH_CHECK(false, "kaitian: unsupported reduce op ", static_cast<int>(op));
+    }
+  }
+  if (op == Op::AVG && divisor != 1) {
+    if (at::isFloatingType(acc.scalar_type())) {
+      acc.div_(static_cast<double>(divisor));
+    } else {
+      acc.div_(divisor, "trunc");
+    }
+  }
+  view(dst0, count, dtype).copy_(acc);
+  if (dst1) view(dst1, count, dtype).copy_(acc);
+}
+
+}  // namespace kaitian

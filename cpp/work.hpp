@@ -1,0 +1,62 @@
+// Async machinery: the Work handed to torch (backed by a Future) and the queues
+// whose named threads execute ops in issue order.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace kaitian {
+
+class KaitianWork : public c10d::Work {
+ public:
+  KaitianWork(int rank, c10d::OpType opType, std::string opName, std::vector<c10::Device> devices);
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override;
+  int sourceRank() const override { return sourceRank_; }
+
+  // Called on the executing thread exactly once.
+  void markDone(std::vector<at::Tensor> outputs, int sourceRank = -1);
+  void markFailed(std::exception_ptr error);
+  const std::string& opName() const { return opName_; }
+
+ private:
+  std::string opName_;
+  std::vector<c10::Device> devices_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::vector<at::Tensor> outputs_;
+  int sourceRank_ = -1;
+};
+
+// A FIFO of tasks run by one named thread. `stop()` fails what is still queued.
+class OpQueue {
+ public:
+  struct Task {
+    std::function<void()> run;                  // does the op and completes its Work
+    std::function<void(std::exception_ptr)> fail;  // completes the Work with an error
+  };
+  explicit OpQueue(std::string threadName);
+  ~OpQueue();
+  void push(Task task);
+  void stop(const std::string& reason);
+
+ private:
+  void loop();
+  std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> tasks_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace kaitian

@@ -1,0 +1,223 @@
+"""Builds one ``kaitian`` process group instance (the creator torch calls).
+
+Steps, identical on every rank: exchange rank records through the store, derive
+the layout, build each vendor group's own backend on its own ``PrefixStore``,
+pick the bridge (shared memory on one host, TCP otherwise or when forced), meet
+the peers, and hand everything to the C++ ``KaitianBackend``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from kaitian.backend import layout as _layout
+from kaitian.backend import shm_gc
+from kaitian.settings import Settings, settings
+from kaitian.vendors import VENDORS
+
+__all__ = ["create_kaitian_backend", "BackendSetupError"]
+
+logger = logging.getLogger(__name__)
+
+
+class BackendSetupError(RuntimeError):
+    """The backend cannot be built with this configuration (message says why)."""
+
+
+def _timeout_of(opts) -> timedelta:
+    t = opts.timeout
+    return t if isinstance(t, timedelta) else timedelta(seconds=float(t))
+
+
+def _shared_token(store, rank: int, timeout: timedelta) -> str:
+    """A random token, the same on every rank, naming this group instance's files."""
+    if rank == 0:
+        store.set("kaitian/token", secrets.token_hex(6))
+    store.wait(["kaitian/token"], timeout)
+    return store.get("kaitian/token").decode()
+
+
+def _run_dir(store, rank: int, s: Settings, timeout: timedelta) -> tuple:
+    """The directory where peers meet; (path, whether we made it privately)."""
+    if s.run_dir:
+        os.makedirs(s.run_dir, mode=0o700, exist_ok=True)
+        return s.run_dir, False
+    if rank == 0:
+        path = tempfile.mkdtemp(prefix="kaitian-run-")  # owner-only (0700)
+        store.set("kaitian/run_dir", path)
+    store.wait(["kaitian/run_dir"], timeout)
+    return store.get("kaitian/run_dir").decode(), True
+
+
+def _local_address(s: Settings) -> str:
+    """An IPv4 address of this host that the other ranks can connect to."""
+    if s.bridge_addr:
+        return s.bridge_addr
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                probe.connect((master, int(os.environ.get("MASTER_PORT", "29500") or 29500)))
+                return probe.getsockname()[0]
+            finally:
+                probe.close()
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout: timedelta):
+    """The vendor's own backend for one group, built through torch's classes/registry."""
+    if name == "gloo":
+        return dist.ProcessGroupGloo(store, group_rank, group_size, timeout)
+    if name == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, group_rank, group_size, opts)
+    plugin = dist.Backend._plugins.get(name.upper())
+    if plugin is None:
+        raise BackendSetupError(
+            f"intra-group backend {name!r} is not registered with torch.distributed; "
+            "install/import the vendor's torch plug-in (e.g. torch_mlu)"
+        )
+    if plugin.extended_api:
+        o = dist.distributed_c10d._DistributedBackendOptions()
+        o.store, o.group_rank, o.group_size, o.timeout = store, group_rank, group_size, timeout
+        return plugin.creator_fn(o, None)
+    return plugin.creator_fn(store, group_rank, group_size, timeout)
+
+
+def create_kaitian_backend(dist_opts, backend_options=None):
+    """Creator registered with ``Backend.register_backend(..., extended_api=True)``.
+
+    Args:
+        dist_opts: torch's ``_DistributedBackendOptions`` (store, group_rank,
+            group_size, timeout, group_id).
+        backend_options: unused (kaitian takes its options from ``KAITIAN_*``).
+
+    Returns:
+        The C++ ``KaitianBackend``.
+
+    Raises:
+        BackendSetupError: the configuration cannot work (the message says why).
+    """
+    from kaitian import _C
+
+    store = dist_opts.store
+    rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
+    timeout = _timeout_of(dist_opts)
+    s = settings()
+    shm_gc.collect_stale_segments()
+
+    me = _layout.local_rank_info(rank, s)
+    infos = _layout.exchange_infos(store, rank, size, me, timeout)
+    lay = _layout.build_layout(infos)
+    lead = infos[0]  # settings that must agree across ranks come from rank 0
+
+    bridge = "tcp" if lead.bridge == "tcp" or not lay.single_host else "shm"
+    if lead.bridge == "shm" and not lay.single_host:
+        raise BackendSetupError(
+            "KAITIAN_BRIDGE=shm but the ranks run on several hosts; use auto or tcp"
+        )
+    flat_intra = lead.intra != "gloo" and lay.single_host
+
+    # Each vendor group's own backend, on its own store prefix.
+    g = lay.group_of[rank]
+    members = lay.members[g]
+    group_rank, group_size = members.index(rank), len(members)
+    device = lay.group_device[g]
+    intra_device = intra_cpu = None
+    if group_size > 1:
+        name = lay.group_names[g]
+        if device != "cpu":
+            vendor = VENDORS.get(device)
+            if vendor is None:
+                raise BackendSetupError(f"device type {device!r} is not in kaitian's vendor table")
+            vendor.import_module()
+            intra_device = _vendor_backend(
+                vendor.intra_backend,
+                dist.PrefixStore(f"kaitian/intra/{name}/{device}/", store),
+                group_rank, group_size, timeout,
+            )
+        if device != "cpu" or not flat_intra:
+            intra_cpu = _vendor_backend(
+                "gloo", dist.PrefixStore(f"kaitian/intra/{name}/cpu/", store),
+                group_rank, group_size, timeout,
+            )
+
+    token = _shared_token(store, rank, timeout)
+    file_store = None
+    run_dir, private = None, False
+    if bridge == "shm":
+        run_dir, private = _run_dir(store, rank, s, timeout)
+        file_store = dist.FileStore(os.path.join(run_dir, f"bridge-{token}.store"), size)
+        file_store.set_timeout(timeout)
+    pids = [
+        i.pid if (i.host == me.host and i.pid_ns == me.pid_ns) else -1 for i in infos
+    ]
+    try:
+        backend = _C.create_backend(
+            store=store, rank=rank, size=size,
+            timeout_ms=int(timeout.total_seconds() * 1000),
+            group_of=lay.group_of, group_names=lay.group_names, group_device=lay.group_device,
+            flat_intra=flat_intra, intra_device=intra_device, intra_cpu=intra_cpu,
+            bridge_kind=bridge, bridge_store=file_store,
+            shm_name=shm_gc.segment_name(token, rank), chunk_bytes=int(lead.chunk_bytes),
+            pids=pids, tcp_host=_local_address(s) if bridge == "tcp" else "",
+        )
+    finally:
+        # The file store was only the meeting point; dropping it on every rank
+        # deletes its file. A private run dir goes with it once all have met.
+        del file_store
+        if private and rank == 0:
+            _remove_private_dir_later(store, run_dir, size, timeout)
+        elif private:
+            store.add("kaitian/run_dir_done", 1)
+    _pin(backend, device)
+    logger.debug(
+        "kaitian: rank %d/%d group %s (%d/%d), bridge %s, intra %s",
+        rank, size, lay.group_names[g], group_rank, group_size, bridge,
+        "shm" if flat_intra and device == "cpu" else "vendor",
+    )
+    return backend
+
+
+def _remove_private_dir_later(store, path: str, size: int, timeout: timedelta) -> None:
+    """Rank 0 removes the temp run dir after every other rank is done with it."""
+    store.add("kaitian/run_dir_done", 1)
+    try:
+        store.wait(["kaitian/run_dir_done"], timeout)
+        import time
+
+        deadline = time.monotonic() + timeout.total_seconds()
+        while int(store.add("kaitian/run_dir_done", 0)) < size and time.monotonic() < deadline:
+            time.sleep(0.002)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _pin(backend, device: str) -> None:
+    """Registers the bridge's host memory with the vendor runtime (DMA copies)."""
+    vendor = VENDORS.get(device)
+    if vendor is None or vendor.pin_host is None:
+        return
+    for ptr, nbytes in backend.bridge_regions():
+        try:
+            if not vendor.pin_host(ptr, nbytes):
+                logger.info("kaitian: could not pin %d bytes of bridge memory for %s", nbytes, device)
+        except Exception as exc:  # pinning is an optimisation, never fatal
+            logger.info("kaitian: pinning bridge memory failed: %s", exc)

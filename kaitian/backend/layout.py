@@ -1,0 +1,135 @@
+"""Who is in which vendor group: this rank's identity and the world's layout.
+
+Every rank publishes a small record (group, device type, host, pid, settings
+that must agree) through the process group's store; every rank then derives the
+same layout from the same records.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+from kaitian.settings import Settings
+
+__all__ = ["RankInfo", "Layout", "LayoutError", "local_rank_info", "exchange_infos", "build_layout"]
+
+
+class LayoutError(RuntimeError):
+    """The ranks' records are inconsistent (say which variable to fix)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank tells the others at construction."""
+
+    rank: int
+    group: str
+    device_type: str
+    device_index: int
+    host: str
+    pid: int
+    pid_ns: int
+    bridge: str = "auto"
+    intra: str = "auto"
+    chunk_bytes: int = 1 << 20
+
+
+@dataclass
+class Layout:
+    """The world as every rank sees it.
+
+    Attributes:
+        group_names: groups in a fixed order (by their lowest rank).
+        group_device: device type of each group.
+        group_of: per rank, the index of its group.
+        members: per group, its ranks in ascending order (= group-rank order).
+        single_host: whether every rank runs on the same host.
+    """
+
+    group_names: List[str]
+    group_device: List[str]
+    group_of: List[int]
+    members: List[List[int]] = field(default_factory=list)
+    single_host: bool = True
+
+    def group_rank(self, rank: int) -> int:
+        """Rank ``rank``'s index inside its group."""
+        return self.members[self.group_of[rank]].index(rank)
+
+
+def _infer_device(index_hint: Optional[int]) -> tuple:
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.current_device() if index_hint is None else index_hint
+    if importlib.util.find_spec("torch_mlu") is not None:
+        import torch_mlu  # noqa: F401
+
+        if torch.mlu.is_available():
+            return "mlu", torch.mlu.current_device() if index_hint is None else index_hint
+    return "cpu", 0 if index_hint is None else index_hint
+
+
+def local_rank_info(rank: int, s: Settings) -> RankInfo:
+    """This rank's record: group from ``KAITIAN_GROUP``, else the device type."""
+    if s.device_type:
+        device_type, index = s.device_type, s.device_index if s.device_index is not None else 0
+    else:
+        device_type, index = _infer_device(s.device_index)
+    from kaitian.backend.shm_gc import pid_namespace
+
+    return RankInfo(
+        rank=rank,
+        group=s.group or device_type,
+        device_type=device_type,
+        device_index=index,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        pid_ns=pid_namespace(),
+        bridge=s.bridge,
+        intra=s.intra,
+        chunk_bytes=s.chunk_bytes,
+    )
+
+
+def exchange_infos(store, rank: int, size: int, info: RankInfo, timeout: timedelta) -> List[RankInfo]:
+    """Publishes ``info`` and returns every rank's record, in rank order."""
+    store.set(f"kaitian/info/{rank}", json.dumps(asdict(info)))
+    keys = [f"kaitian/info/{r}" for r in range(size)]
+    store.wait(keys, timeout)
+    return [RankInfo(**json.loads(store.get(k))) for k in keys]
+
+
+def build_layout(infos: List[RankInfo]) -> Layout:
+    """Derives the layout; the same on every rank.
+
+    Raises:
+        LayoutError: one group mixes device types.
+    """
+    names: List[str] = []
+    devices: Dict[str, str] = {}
+    for info in infos:
+        if info.group not in devices:
+            names.append(info.group)
+            devices[info.group] = info.device_type
+        elif devices[info.group] != info.device_type:
+            raise LayoutError(
+                f"group {info.group!r} mixes device types {devices[info.group]!r} and "
+                f"{info.device_type!r} (rank {info.rank}); give each vendor its own KAITIAN_GROUP"
+            )
+    index = {n: i for i, n in enumerate(names)}
+    group_of = [index[i.group] for i in infos]
+    members = [[i.rank for i in infos if i.group == n] for n in names]
+    return Layout(
+        group_names=names,
+        group_device=[devices[n] for n in names],
+        group_of=group_of,
+        members=members,
+        single_host=len({i.host for i in infos}) == 1,
+    )

@@ -1,0 +1,92 @@
+"""Collects shared-memory segments left behind by killed kaitian processes.
+
+A segment is named ``/kaitian-<pidns>-<pid>-<token>-r<rank>``: the creator's pid
+namespace and pid. It normally lives only while a process group is being built
+(it is unlinked once every peer has mapped it), so one that outlives its creator
+is garbage. Segments from another pid namespace (another container) cannot be
+checked for liveness and are collected only when clearly abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import List
+
+__all__ = ["SHM_DIR", "segment_name", "pid_namespace", "collect_stale_segments"]
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^kaitian-(\d+)-(\d+)-[0-9a-f]+-r\d+$")
+# Age after which a segment from a foreign pid namespace counts as abandoned.
+_FOREIGN_MAX_AGE_S = 600.0
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 if unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def segment_name(token: str, rank: int) -> str:
+    """The POSIX shm name of this process's bridge segment for one group instance."""
+    return f"/kaitian-{pid_namespace()}-{os.getpid()}-{token}-r{rank}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def collect_stale_segments(shm_dir: str = SHM_DIR) -> List[str]:
+    """Unlinks kaitian segments whose creating process is gone.
+
+    Args:
+        shm_dir: where POSIX shared memory lives (``/dev/shm`` on Linux).
+
+    Returns:
+        The names that were removed.
+    """
+    removed: List[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    my_ns = pid_namespace()
+    now = time.time()
+    for name in names:
+        match = _NAME.match(name)
+        if not match:
+            continue
+        ns, pid = int(match.group(1)), int(match.group(2))
+        path = os.path.join(shm_dir, name)
+        if ns == my_ns:
+            stale = not _pid_alive(pid)
+        else:
+            try:
+                stale = now - os.stat(path).st_mtime > _FOREIGN_MAX_AGE_S
+            except OSError:
+                continue
+        if stale:
+            try:
+                os.unlink(path)
+                removed.append(name)
+                logger.info("kaitian: removed stale shared memory %s (pid %s is gone)", name, pid)
+            except OSError:
+                pass
+    return removed
