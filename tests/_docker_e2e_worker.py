@@ -43,9 +43,20 @@ if mode == "train":
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import logging
+
     import kaitian  # noqa: F401  (registers the "kaitian" backend)
 
+    # The backend logs which inter-group bridge it chose; keep that line.
+    setup_lines = []
+    handler = logging.Handler()
+    handler.emit = lambda r: setup_lines.append(r.getMessage())
+    backend_log = logging.getLogger("kaitian.backend")
+    backend_log.addHandler(handler)
+    backend_log.setLevel(logging.DEBUG)
     dist.init_process_group(os.environ.get("DOCKER_E2E_BACKEND", "kaitian"))
+    backend_log.removeHandler(handler)
+    record("setup", {"lines": setup_lines})
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     ddp = DDP(model)

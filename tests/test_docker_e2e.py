@@ -100,6 +100,12 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
     containers = {r["group"]: r["container"] for r in where["docker"].values()}
     assert sorted(containers) == ["cpu0", "cpu1"]
     assert all(containers.values()) and len(set(containers.values())) == 2
+    if os.environ.get("DOCKER_E2E_BACKEND", "kaitian") == "kaitian":
+        # the groups met through shared memory across the containers, not TCP
+        setups = _records(tmp_path / "docker", "setup")
+        assert len(setups) == 2
+        for rank_attempt, setup in setups.items():
+            assert any("bridge shm" in line for line in setup["lines"]), (rank_attempt, setup)
     assert kaitian_containers(group="cpu0") == [] and kaitian_containers(group="cpu1") == []
 
 
