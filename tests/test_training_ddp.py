@@ -1,0 +1,61 @@
+"""Exact gradients and re-balancing in real multi-process runs.
+
+Each test starts one job through the launcher (a subprocess, as a user would)
+and checks what the ranks report.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "training_workers")
+BACKEND = "gloo"
+
+
+def _launch(nproc, script, *args, timeout=240):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(WORKERS, script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_unequal_batches_match_single_process_training(tmp_path, nproc):
+    out = tmp_path / "exact.json"
+    _launch(nproc, "exact_grad.py", BACKEND, out)
+    for rank_result in json.loads(out.read_text()):
+        for case, r in rank_result.items():
+            assert r["worst"] < 1e-9, (case, r)
+            sizes = [tuple(s) for s in r["sizes"]]
+            assert len(set(sum(s) for s in sizes)) == 2, (case, sizes)  # full and short steps
+            assert any(len(set(s)) > 1 for s in sizes), (case, sizes)  # really unequal
+            assert r["timed_steps"] == r["steps"] and r["compute_positive"]
+            assert r["global_samples"] == sorted({sum(s) for s in sizes})
+
+
+def test_rebalancing_moves_samples_from_a_slower_rank(tmp_path):
+    out = tmp_path / "rebalance.json"
+    # rank 1 does its hidden layer 3 more times per sample: about 4x the compute
+    _launch(2, "rebalance_run.py", BACKEND, 1, 3, out)
+    ranks = json.loads(out.read_text())
+    first = ranks[0]
+    for r in ranks:
+        assert r["history"] == first["history"], "ranks disagree on the split"
+        assert r["final_split"] == first["final_split"]
+        assert len(set(r["steps"])) == 1, "steps per epoch changed"
+    assert first["steps"][0] == ranks[1]["steps"][0]
+    fast, slow = first["final_split"]
+    assert fast + slow == 128
+    assert fast / (fast + slow) >= 0.65, first["history"]
+    assert first["history"][0][1] == [64, 64]
+    for per_sample, old, new, applied in first["history"]:
+        assert per_sample[1] > per_sample[0]  # it saw the slow rank
+        if applied:
+            assert new[0] > old[0] or abs(new[0] - old[0]) < 20
