@@ -182,7 +182,9 @@ def test_failure_reports_exit_code_and_error_file_from_the_container(run, tmp_pa
         result = pc.wait(120, period=0.1)
     finally:
         pc.close()
-    assert result.is_failed() and list(result.failures) == [1]
+    assert result.is_failed() and 1 in result.failures
+    # rank 0 either finished first or was stopped because rank 1 failed
+    assert 0 not in result.failures or result.failures[0].exitcode == -signal.SIGTERM
     failure = result.failures[1]
     assert failure.exitcode == 1
     assert failure.error_file.startswith(str(tmp_path / "logs"))
