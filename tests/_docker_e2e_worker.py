@@ -73,6 +73,8 @@ if mode == "train":
         torch.save(model.state_dict(), os.path.join(out, "params.pt"))
     dist.barrier()
     dist.destroy_process_group()
+elif mode == "crash":
+    raise SystemExit(3 if rank == 1 else 0)
 elif mode == "restart" and attempt > 0:
     pass  # the restarted group succeeds
 else:

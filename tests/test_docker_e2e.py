@@ -137,6 +137,25 @@ def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
     assert _no_workers_left()
 
 
+def test_failed_job_removes_its_containers(tmp_path, image):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        _kaitianrun() + _args("docker", image), env=_env(out, "crash"), cwd=str(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "exitcode  : 3" in stderr  # torchrun's root-cause summary
+    assert len(_records(out, "where")) == 2  # both ran, in containers
+    assert kaitian_containers(agent_pid=proc.pid) == []
+
+
 def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
     out = tmp_path / "out"
     out.mkdir()

@@ -310,3 +310,25 @@ def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):
 
     with pytest.raises(DockerUnavailableError, match="docker' group"):
         connect(_Refused())
+
+
+def test_images_build_streams_progress_and_fails_clearly_without_a_registry(capsys, image):
+    from kaitian.launcher.runtimes import images
+
+    tag = "kaitian-test:cpu-host-progress"
+    try:
+        assert images.main(["cpu-host", "-t", tag]) == 0
+        out = capsys.readouterr().out
+        assert "Step 1/" in out and f"built {tag}" in out
+        labels = engine().images.get(tag).labels
+        assert "/usr:/usr:ro" in labels["org.kaitian.host-mounts"].split(",")
+        assert os.path.isabs(labels["org.kaitian.python"])
+    finally:
+        engine().images.remove(tag, force=True)
+
+    # The real CPU image needs its base image from a registry, which CI cannot reach.
+    assert images.main(["cpu", "-t", "kaitian-test:cpu-from-registry"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "base image cannot be pulled" in err[0]
+    assert images.main(["gpu"]) == 2
+    assert "unknown image 'gpu'" in capsys.readouterr().err

@@ -150,7 +150,7 @@ def build(
     tag: Optional[str] = None,
     base: Optional[str] = None,
     no_cache: bool = False,
-    out: TextIO = sys.stdout,
+    out: Optional[TextIO] = None,
     client: object = None,
 ) -> str:
     """Builds one image, streaming docker's progress to ``out``.
@@ -160,7 +160,7 @@ def build(
         tag: image name (default: the vendor table's, ``kaitian:<vendor>``).
         base: override the Dockerfile's ``BASE`` image.
         no_cache: build without docker's layer cache.
-        out: where progress goes.
+        out: where progress goes (default: stdout).
         client: docker SDK client (tests); built from the environment if ``None``.
 
     Returns:
@@ -175,6 +175,7 @@ def build(
     if target not in TARGETS:
         raise ImageBuildError(f"unknown image {target!r}; choose from: {', '.join(TARGETS)}")
     tag = tag or default_tag(target)
+    out = out or sys.stdout
     client = connect(client)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kaitian-image-") as workdir:
