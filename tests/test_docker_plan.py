@@ -243,3 +243,19 @@ def test_directories_inside_mounted_ones_are_not_mounted_again():
     assert targets == ["/home/u/proj", "/tmp/kaitian-0", "/var/log/job"]
     # so a later run (new run directory, new log directory) has the same shape
     assert _plan(w, log_dirs=("/tmp/kaitian-0/run.456/logs", "/var/log/job")).spec == plan.spec
+
+
+def test_run_path_entrypoint_becomes_python_in_the_container(tmp_path):
+    from torch.distributed.run import run_script_path
+
+    from kaitian.launcher.runtimes.docker import _as_binary
+
+    script = tmp_path / "s.py"
+    out = tmp_path / "argv.txt"
+    script.write_text(f"import sys; open({str(out)!r}, 'w').write(repr(sys.argv)) if __name__ == '__main__' else None\n")
+    binary, args = _as_binary(run_script_path, {0: (str(script), "--lr", "0.1")})
+    assert binary == sys.executable
+    subprocess.run([binary, *args[0]], check=True, timeout=60)
+    assert out.read_text() == repr([str(script), "--lr", "0.1"])
+    with pytest.raises(DockerOptionError, match="not Python functions"):
+        _as_binary(print, {0: ()})

@@ -170,6 +170,26 @@ def _find_one(client: object, labels: Mapping[str, str]) -> Optional[object]:
     return found[0] if found else None
 
 
+# `--run-path`: torchrun runs the script with runpy in the worker process; in a
+# container the same happens in the image's python.
+_RUN_PATH_CODE = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def _as_binary(entrypoint: object, args: Dict[int, Tuple]) -> Tuple[str, Dict[int, Tuple]]:
+    """The ``python -c`` equivalent of torchrun's ``--run-path`` function entrypoint.
+
+    Raises:
+        DockerOptionError: any other Python function (cannot cross into a container).
+    """
+    if getattr(entrypoint, "__name__", "") == "run_script_path":
+        return sys.executable, {r: ("-u", "-c", _RUN_PATH_CODE, *a) for r, a in args.items()}
+    raise DockerOptionError(
+        "the docker runtime starts programs (python scripts, --no-python binaries), not Python functions"
+    )
+
+
 class _Exec:
     """One worker's ``docker exec``: started, streamed, and its exit recorded."""
 
@@ -546,7 +566,7 @@ class DockerRuntime(Runtime):
                 is not usable; the message says what to do.
         """
         if not isinstance(entrypoint, str):
-            raise DockerOptionError("the docker runtime runs binaries (python scripts), not Python functions")
+            entrypoint, args = _as_binary(entrypoint, args)
         client = self.client
         if not self._collected:
             self._collected = True
