@@ -190,3 +190,17 @@ def test_missing_image_fails_with_one_line(tmp_path, image):
     assert "Traceback" not in proc.stderr
     assert {c.id for c in kaitian_containers()} == before
     assert _records(tmp_path, "where") == {}
+
+
+def test_unreachable_daemon_fails_with_one_line(tmp_path):
+    sock = tmp_path / "no-docker.sock"
+    proc = subprocess.run(
+        _kaitianrun() + ["--standalone", "--nproc-per-node", "2", "--cpu-groups", "2", "--runtime", "docker", SCRIPT],
+        env=_env(tmp_path, "train", DOCKER_HOST=f"unix://{sock}"), cwd=str(tmp_path),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "Docker daemon" in line]
+    assert len(errors) == 1 and f"unix://{sock}" in errors[0] and "start it" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert _records(tmp_path, "where") == {}
