@@ -1,0 +1,13 @@
+"""Writes this worker's environment (plus its CPU affinity) to OUT_DIR/env.<RANK>.json."""
+import json
+import os
+import sys
+
+env = dict(os.environ)
+env["_AFFINITY"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+run_dir = env.get("KAITIAN_RUN_DIR")
+if run_dir:
+    env["_RUN_DIR_MODE"] = oct(os.stat(run_dir).st_mode & 0o777)
+with open(os.path.join(sys.argv[1], f"env.{os.environ['RANK']}.json"), "w") as f:
+    json.dump(env, f)
+print("dumped", os.environ["RANK"])
