@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from _docker_support import engine, kaitian_containers, test_image
+from _docker_support import kaitian_containers, test_image
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -124,7 +124,7 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     try:
         with open(os.path.join(workdir, "bench_worker.py"), "w") as f:
             f.write(_WORKER)
-        print(f"[bench] warm-up: docker run creating the containers (kept for the measured runs)", flush=True)
+        print("[bench] warm-up: docker run creating the containers (kept for the measured runs)", flush=True)
         cold = _one("docker", args, workdir, keep=True)
         for i in range(args.runs):
             for runtime in ("local", "docker"):  # interleaved: both see the same machine load

@@ -51,9 +51,10 @@ from torch.distributed.elastic.multiprocessing import (  # noqa: F401
     Std,
     start_processes,
 )
-from torch.distributed.elastic.multiprocessing.api import to_map  # noqa: F401
+from torch.distributed.elastic.multiprocessing.api import RunProcsResult, to_map  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import (  # noqa: F401
     ChildFailedError,
+    ProcessFailure,
     record,
 )
 
@@ -86,10 +87,12 @@ __all__ = [
     "LaunchConfig",
     "LogsSpecs",
     "PContext",
+    "ProcessFailure",
     "RendezvousGracefulExitError",
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
+    "RunProcsResult",
     "RunResult",
     "SignalException",
     "SimpleElasticAgent",
