@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -227,7 +228,9 @@ def test_shared_memory_and_host_network_work_across_containers(run, tmp_path):
     assert _read(out, "shm", 0) == {"ok": True} and _read(out, "shm", 1) == {"ok": True}
     assert not os.path.exists(f"/dev/shm/{shm_name}")
 
-    port = 29000 + os.getpid() % 1000
+    with socket.socket() as s:  # a free port for the TCP store (host network)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     pc, out = _start(rt, tmp_path, _two_groups(), "gloo",
                      {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     try:
