@@ -24,7 +24,7 @@ if ! command -v dockerd >/dev/null 2>&1; then
   log "installing docker.io (apt)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends docker.io tini >/dev/null
+  apt-get install -y -qq docker.io >/dev/null
 fi
 if ! command -v docker >/dev/null 2>&1; then
   log "dockerd is installed but the docker CLI is not; install docker.io or docker-ce-cli"
