@@ -14,7 +14,7 @@ RUN pip install --no-cache-dir "setuptools>=64" wheel ninja
 COPY . /opt/kaitian-src
 # Build against the image's own torch (no build isolation: never pull another torch).
 RUN pip install --no-cache-dir --no-build-isolation --no-deps /opt/kaitian-src \
- && pip install --no-cache-dir psutil docker \
+ && pip install --no-cache-dir psutil numpy tomli-w "docker>=7" \
  && rm -rf /opt/kaitian-src \
  && python -c "import kaitian, kaitian._C"
 
