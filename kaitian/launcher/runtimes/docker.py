@@ -52,6 +52,7 @@ from kaitian.launcher.runtimes.docker_plan import (
     plan_container,
     plan_exec,
 )
+from kaitian.settings import Settings
 
 __all__ = [
     "DockerRuntime",
@@ -335,7 +336,7 @@ class DockerRuntime(Runtime):
         return parent if parent not in ("", "/") else path
 
     def _log_dirs(self, pc: DockerExecContext, logs_specs: LogsSpecs) -> List[str]:
-        """Host directories workers write into (error files)."""
+        """Host directories workers write into (error files, monitor samples)."""
         dirs = set()
         try:
             root = logs_specs.root_log_dir
@@ -350,6 +351,13 @@ class DockerRuntime(Runtime):
                     dirs.add(d)
         if self.ctx.log_dir:
             dirs.add(os.path.abspath(self.ctx.log_dir))
+        # kaitianrun --monitor: ranks write their samples there.
+        for env in pc.envs.values():
+            monitor_dir = Settings.from_env(env).monitor_dir
+            if monitor_dir:
+                monitor_dir = os.path.abspath(os.path.join(self.ctx.cwd, monitor_dir))
+                os.makedirs(monitor_dir, exist_ok=True)
+                dirs.add(monitor_dir)
         return sorted(dirs)
 
     def _prepare(
