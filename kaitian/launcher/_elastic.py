@@ -11,6 +11,8 @@ is still initialising; every name imported below already exists at that point.
 
 from __future__ import annotations
 
+import sys
+
 # --- torchrun's command line -------------------------------------------------
 from torch.multiprocessing import _set_thread_name as set_thread_name  # noqa: F401
 from torch.distributed.run import (  # noqa: F401
@@ -74,6 +76,28 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # no
 )
 
 
+def _method_name(depth: int = 2) -> str:
+    """``dynamic_rendezvous.get_method_name`` without ``inspect.stack()``.
+
+    torch computes a caller's name for every rendezvous event record with two
+    full ``inspect.stack()`` calls (each reads the source of every frame and
+    scans ``sys.modules``), even when no event handler is installed: about a
+    second of agent start-up on a small machine. The frame's code name is the
+    same value.
+    """
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
+
+
+def speed_up_rendezvous_events() -> None:
+    """Installs :func:`_method_name` in torch's dynamic rendezvous (idempotent)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    dynamic_rendezvous.get_method_name = _method_name
+
+
 def get_rendezvous_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     """torchelastic's registry lookup (imported late: the registry module imports plug-ins)."""
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler as _get
@@ -119,6 +143,7 @@ __all__ = [
     "record",
     "rendezvous_handler_registry",
     "set_thread_name",
+    "speed_up_rendezvous_events",
     "start_processes",
     "timer",
     "to_map",

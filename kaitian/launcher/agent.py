@@ -253,7 +253,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
             raise AssertionError("worker group has no store; rendezvous first")
         restart_count = spec.max_restarts - self._remaining_restarts
         start_dir = self._run_dir.new_start()
-        if self._starts > 0:
+        if self._starts > 0 and spec.rdzv_handler.use_agent_store:
             worker_group.master_port = self._fresh_worker_store_port(worker_group)
         self._starts += 1
 

@@ -264,6 +264,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     _te.set_thread_name("pt_elastic")
+    _te.speed_up_rendezvous_events()
     try:
         run(args)
     except (UsageError, DeviceSelectionError, PlanError, SettingError, PermissionError) as e:
