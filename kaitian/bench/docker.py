@@ -11,6 +11,9 @@ and ``--runtime docker`` and prints, per runtime, the median over ``--runs``:
 - allreduce bus bandwidth (nccl-tests formula ``2(n-1)/n * bytes / time``) of
   a ``--size-mb`` tensor between workers in separate containers vs separate
   local processes.
+- the runtime's own start cost: asking for workers until a trivial program runs
+  in each, ``start_processes`` vs ``docker exec`` into created containers
+  (whole-job times are dominated by Python/torch start-up on a busy host).
 
 Example::
 
@@ -100,6 +103,56 @@ def _one(runtime: str, args: argparse.Namespace, workdir: str, keep: bool) -> Di
     return {"launch": result["first"] - began, "busbw": result["busbw"]}
 
 
+_STAMP = "import sys, time; open(sys.argv[1], 'w').write(repr(time.time()))"
+
+
+def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int = 5) -> Dict[str, float]:
+    """Median seconds from asking a runtime for workers to every worker running
+    (a program that only writes the time), local processes vs docker exec into
+    already created containers. This isolates the runtime's own cost from
+    Python/torch start-up, which dominates (and blurs) the whole-job numbers."""
+    from kaitian.launcher._elastic import DefaultLogsSpecs, start_processes
+    from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
+    from kaitian.launcher.runtimes.docker import DockerRuntime
+
+    images = dict(item.split("=", 1) for item in args.image)
+    run_dir = os.path.join(workdir, "latency-run")
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    ctx = RunContext(run_id="bench-latency", run_dir=run_dir, log_dir=None, cwd=workdir,
+                     options={"images": images})
+    cores = sorted(os.sched_getaffinity(0))
+    workers = {
+        r: WorkerLaunch(r, r, "cpu", r, f"cpu{r % args.groups}", (cores[r % len(cores)],), None)
+        for r in range(args.nproc)
+    }
+    runtime = DockerRuntime(ctx)
+    took: Dict[str, List[float]] = {"local": [], "docker": []}
+    try:
+        for i in range(repeats + 1):  # the first docker start creates the containers
+            for kind in ("local", "docker"):
+                stamps = {r: os.path.join(run_dir, f"{kind}-{i}-{r}") for r in workers}
+                argv = {r: ("-c", _STAMP, stamps[r]) for r in workers}
+                envs = {r: {"RANK": str(r)} for r in workers}
+                logs = DefaultLogsSpecs(log_dir=os.path.join(run_dir, f"logs-{kind}-{i}"))
+                began = time.time()
+                if kind == "docker":
+                    pc = runtime.start(name="bench", entrypoint=sys.executable, args=argv, envs=envs,
+                                       logs_specs=logs, log_line_prefixes=None, start_method="spawn",
+                                       workers=workers)
+                else:
+                    pc = start_processes(name="bench", entrypoint=sys.executable, args=argv,
+                                         envs={r: {**os.environ, **e} for r, e in envs.items()}, logs_specs=logs)
+                result = pc.wait(60, period=0.01)
+                pc.close()
+                if result is None or result.is_failed():
+                    raise RuntimeError(f"{kind} workers failed in the start-latency check: {result}")
+                if i > 0:
+                    took[kind].append(max(float(open(p).read()) for p in stamps.values()) - began)
+    finally:
+        runtime.shutdown()
+    return {k: statistics.median(v) for k, v in took.items()}
+
+
 def _remove_kept(before: set) -> None:
     """Removes the containers this benchmark kept (not the user's)."""
     from kaitian.launcher.runtimes.docker import connect
@@ -120,10 +173,13 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     }
     results: Dict[str, List[Dict[str, float]]] = {"local": [], "docker": []}
     cold: Optional[Dict[str, float]] = None
+    latency: Dict[str, float] = {}
     workdir = tempfile.mkdtemp(prefix="kaitian-bench-docker-")
     try:
         with open(os.path.join(workdir, "bench_worker.py"), "w") as f:
             f.write(_WORKER)
+        print("[bench] runtime start latency (trivial program, containers created)", flush=True)
+        latency = _runtime_start_latency(args, workdir)
         print("[bench] warm-up: docker run creating the containers (kept for the measured runs)", flush=True)
         cold = _one("docker", args, workdir, keep=True)
         for i in range(args.runs):
@@ -138,6 +194,8 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     med = {rt: {k: statistics.median(r[k] for r in rs) for k in ("launch", "busbw")} for rt, rs in results.items()}
     if cold is not None:
         med["docker-cold"] = cold
+    if latency:
+        med["start-latency"] = latency
     return med
 
 
@@ -154,6 +212,10 @@ def _report(med: Dict[str, Dict[str, float]], args: argparse.Namespace) -> str:
         f"{'allreduce bus bandwidth':28}{local['busbw'] / 1e9:>7.2f} GB/s{docker['busbw'] / 1e9:>7.2f} GB/s"
         f"{ratio:>19.2f}x   >= 0.9x  {'met' if ratio >= 0.9 else 'MISSED'}",
     ]
+    if "start-latency" in med:
+        lat = med["start-latency"]
+        lines.append(f"{'worker start (runtime only)':28}{lat['local']:>10.2f} s{lat['docker']:>10.2f} s"
+                     f"{lat['docker'] - lat['local']:>+18.2f} s   (start_processes vs docker exec)")
     if "docker-cold" in med:
         lines.append(f"(docker cold start, creating the containers: launch -> first collective "
                      f"{med['docker-cold']['launch']:.2f} s)")
