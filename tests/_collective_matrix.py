@@ -782,20 +782,40 @@ def _run(args: argparse.Namespace) -> int:
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank,
                             world_size=args.world_size, timeout=timeout)
-    ctx = Ctx(args.rank, args.world_size, groups, None, dist.new_group(backend="gloo", timeout=timeout),
+    # The reference group outlasts the group under test, so that after a case
+    # that failed on some ranks only, the others' timeout still re-aligns them.
+    ref_timeout = timeout * 3
+    ctx = Ctx(args.rank, args.world_size, groups, None, dist.new_group(backend="gloo", timeout=ref_timeout),
               args.fault)
     # Subgroups must be created by every rank, in the same order.
     w = args.world_size
     cross = sorted({0, w - 1})
     same = [r for r in range(w) if groups[r] == groups[0]]
     ctx.subgroups = {"cross": dist.new_group(cross), "same": dist.new_group(same)}
-    ctx.ref_subgroups = {"cross": dist.new_group(cross, backend="gloo"),
-                         "same": dist.new_group(same, backend="gloo")}
+    ctx.ref_subgroups = {"cross": dist.new_group(cross, backend="gloo", timeout=ref_timeout),
+                         "same": dist.new_group(same, backend="gloo", timeout=ref_timeout)}
     cases = [c for c in build_cases(w) if c.core or not args.core_only]
     if args.only:
         cases = [c for c in cases if any(o in c.name for o in args.only)]
     with open(args.out, "w") as out:
-        out.write(json.dumps({"case": "__init__", "ok": True, "msg": ""}) + "\n")
+        # Prove which backend is under test, and which transports it chose.
+        backend = dist.get_backend()
+        ok = backend == args.backend
+        msg = f"default group backend {backend!r}, expected {args.backend!r}"
+        if args.backend == "kaitian":
+            impl = dist.group.WORLD._get_backend(torch.device("cpu"))
+            groups_seen = [impl.group_names()[g] for g in impl.group_of()]
+            bridge, flat = impl.bridge_kind(), impl.flat_intra()
+            msg += f"; groups {groups_seen}, bridge {bridge}, flat intra {flat}"
+            if os.environ.get("KAITIAN_GROUP"):
+                ok = ok and groups_seen == groups
+            if os.environ.get("KAITIAN_BRIDGE") == "tcp":
+                ok = ok and bridge == "tcp"
+            if os.environ.get("KAITIAN_INTRA") == "gloo":
+                ok = ok and not flat
+            if os.environ.get("KAITIAN_INTRA") == "shm":
+                ok = ok and flat
+        out.write(json.dumps({"case": "__init__", "ok": ok, "msg": msg}) + "\n")
         out.flush()
         for case in cases:
             ctx.case = case.name
@@ -830,7 +850,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--core-only", action="store_true")
     ap.add_argument("--only", action="append", default=[], help="run cases whose name contains this")
     ap.add_argument("--fault", default=None)
-    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--timeout", type=float, default=30.0, help="timeout of the group under test")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:

@@ -54,9 +54,10 @@ class Layout:
 
     @property
     def id(self) -> str:
-        extra = ",".join(f"{k.replace('KAITIAN_', '').lower()}={v}" for k, v in self.env)
-        plain = "" if self.kaitian_env else ",torchrun-env"
-        return self.spec + (f"[{extra}{plain}]" if extra or plain else "")
+        parts = [f"{k.replace('KAITIAN_', '').lower()}={v}" for k, v in self.env]
+        if not self.kaitian_env:
+            parts.append("torchrun-env")
+        return self.spec + (f"[{','.join(parts)}]" if parts else "")
 
 
 @dataclass
