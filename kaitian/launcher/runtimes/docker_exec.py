@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 _PID_WAIT_S = 5.0
 # After KILL, how long to wait for the exec to report its exit before giving up.
 _KILL_WAIT_S = 10.0
+
+
 class _Exec:
     """One worker's ``docker exec``: started, streamed, and its exit recorded."""
 
@@ -228,7 +230,6 @@ class DockerExecContext(PContext):
         self._failures: Dict[int, ProcessFailure] = {}
         self._running: set = set(range(self.nprocs))
         self._last_engine_poll = 0.0
-        self._closed = False
 
     def _start(self) -> None:
         if self._execs:
