@@ -104,21 +104,22 @@ def _wait_files(pattern, count, proc, timeout=60):
 
 
 @pytest.mark.parametrize(
-    "flags",
+    "flags,pet",
     [
-        ["--nproc-per-node", "2", "--max-restarts", "2", "--role", "trainer"],
-        ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-         "--master-port", "29631", "--node-rank", "0", "--rdzv-id", "fixed"],
+        (["--nproc-per-node", "2", "--max-restarts", "2", "--role", "trainer"], {}),
+        (["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+          "--master-port", "29631", "--node-rank", "0", "--rdzv-id", "fixed"], {}),
+        ([], {"PET_NPROC_PER_NODE": "2", "PET_STANDALONE": "1", "PET_MAX_RESTARTS": "1", "PET_ROLE": "pet"}),
     ],
-    ids=["standalone-default", "static"],
+    ids=["default", "static", "pet-variables"],
 )
-def test_worker_env_matches_torchrun(tmp_path, flags):
-    """Same flags -> every variable torchrun gives a worker has the same value under kaitianrun."""
+def test_worker_env_matches_torchrun(tmp_path, flags, pet):
+    """Same flags (or PET_* variables) -> every variable torchrun gives a worker has the same value."""
     outs = {}
     for name, launcher in (("torchrun", _torchrun()), ("kaitianrun", _kaitianrun())):
         out = tmp_path / name
         out.mkdir()
-        proc = _run([*launcher, *flags, _script("envdump.py"), str(out)])
+        proc = _run([*launcher, *flags, _script("envdump.py"), str(out)], env=_env(**pet))
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[name] = _dumps(str(out))
     assert sorted(outs["torchrun"]) == sorted(outs["kaitianrun"]) == [0, 1]
@@ -194,8 +195,9 @@ def test_failure_exit_code_and_root_cause(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in k.stderr
 
 
-def test_sigint_stops_everything(tmp_path):
-    """Ctrl-C on the agent: every worker gone, cgroups and run directory removed."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_everything(tmp_path, sig):
+    """Ctrl-C / SIGTERM on the agent: every worker gone, cgroups and run directory removed."""
     proc = subprocess.Popen(
         [*_kaitianrun(), "--nproc-auto", "--cpu-slots", "2", "--cpu-groups", "2", "--cpu-quota", "1,0.5",
          _script("sleeper.py"), str(tmp_path)],
@@ -207,7 +209,7 @@ def test_sigint_stops_everything(tmp_path):
         assert any(not d.endswith(f".{proc.pid}") for d in during), "no run directory while running"
         if os.access("/sys/fs/cgroup/cpu", os.W_OK):
             assert any(d.endswith(f".{proc.pid}") for d in during), "no cgroup while running"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
