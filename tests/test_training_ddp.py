@@ -1,7 +1,8 @@
 """Exact gradients and re-balancing in real multi-process runs.
 
-Each test starts one job through the launcher (a subprocess, as a user would)
-and checks what the ranks report.
+Each test starts one job with ``kaitianrun`` (a subprocess, as a user would),
+backend ``kaitian``, ranks split into two simulated vendor groups, and checks
+what the ranks report.
 """
 
 import json
@@ -13,15 +14,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "training_workers")
-BACKEND = "gloo"
+BACKEND = "kaitian"
 
 
 def _launch(nproc, script, *args, timeout=240):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", os.path.join(WORKERS, script), *map(str, args)]
+    # two simulated vendor groups: 1+1 ranks, or 2+1 with three ranks
+    cmd = [sys.executable, "-m", "kaitian.launcher.cli", f"--nproc-per-node={nproc}",
+           "--cpu-groups=2", os.path.join(WORKERS, script), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -30,7 +31,9 @@ def _launch(nproc, script, *args, timeout=240):
 def test_unequal_batches_match_single_process_training(tmp_path, nproc):
     out = tmp_path / "exact.json"
     _launch(nproc, "exact_grad.py", BACKEND, out)
-    for rank_result in json.loads(out.read_text()):
+    ranks = json.loads(out.read_text())
+    assert len({r.pop("group") for r in ranks}) == 2, "expected two vendor groups"
+    for rank_result in ranks:
         for case, r in rank_result.items():
             assert r["worst"] < 1e-9, (case, r)
             sizes = [tuple(s) for s in r["sizes"]]

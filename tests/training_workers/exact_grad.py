@@ -9,6 +9,7 @@ the largest parameter difference seen and the timings to OUT.json.
 
 import gc
 import json
+import os
 import sys
 
 import torch
@@ -85,8 +86,9 @@ def main():
         "padded_last": run_case(4 * world * 4 + 1, caps, 4, 1, False, rank, world),
         "user_hook": run_case(53, caps, 4, 1, True, rank, world),
     }
+    group = os.environ.get("KAITIAN_GROUP", "")
     gathered = [None] * world
-    dist.all_gather_object(gathered, results)
+    dist.all_gather_object(gathered, {"group": group, **results})
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
