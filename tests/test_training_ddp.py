@@ -33,7 +33,10 @@ def test_unequal_batches_match_single_process_training(tmp_path, nproc):
     _launch(nproc, "exact_grad.py", BACKEND, out)
     ranks = json.loads(out.read_text())
     assert len({r.pop("group") for r in ranks}) == 2, "expected two vendor groups"
-    for rank_result in ranks:
+    want = {2: [7, 13], 3: [5, 10, 15]}[nproc]  # 10 x world split 1:2(:3)
+    for rank, rank_result in enumerate(ranks):
+        assert rank_result.pop("env_split") == want
+        assert rank_result.pop("optimize_batch_size") == want[rank]
         for case, r in rank_result.items():
             assert r["worst"] < 1e-9, (case, r)
             sizes = [tuple(s) for s in r["sizes"]]
@@ -43,10 +46,11 @@ def test_unequal_batches_match_single_process_training(tmp_path, nproc):
             assert r["global_samples"] == sorted({sum(s) for s in sizes})
 
 
-def test_rebalancing_moves_samples_from_a_slower_rank(tmp_path):
+@pytest.mark.parametrize("every", [None, 8])
+def test_rebalancing_moves_samples_from_a_slower_rank(tmp_path, every):
     out = tmp_path / "rebalance.json"
     # rank 1 does its hidden layer 3 more times per sample: about 4x the compute
-    _launch(2, "rebalance_run.py", BACKEND, 1, 3, out)
+    _launch(2, "rebalance_run.py", BACKEND, 1, 3, out, *([every] if every else []))
     ranks = json.loads(out.read_text())
     first = ranks[0]
     for r in ranks:
@@ -58,6 +62,11 @@ def test_rebalancing_moves_samples_from_a_slower_rank(tmp_path):
     assert fast + slow == 128
     assert fast / (fast + slow) >= 0.65, first["history"]
     assert first["history"][0][1] == [64, 64]
+    # every step, the two ranks' batches add up to the global batch
+    assert [a + b for a, b in zip(first["sizes"], ranks[1]["sizes"])] == [128] * len(first["sizes"])
+    if every:  # changes land within epochs: more rounds than epoch boundaries
+        assert len(first["history"]) >= 8
+        assert len(set(first["sizes"][:16])) > 1
     for per_sample, old, new, applied in first["history"]:
         assert per_sample[1] > per_sample[0]  # it saw the slow rank
         if applied:

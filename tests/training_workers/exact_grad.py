@@ -87,6 +87,11 @@ def main():
         "user_hook": run_case(53, caps, 4, 1, True, rank, world),
     }
     group = os.environ.get("KAITIAN_GROUP", "")
+    # capabilities from each rank's KAITIAN_CAPABILITY, exchanged through the group
+    os.environ["KAITIAN_CAPABILITY"] = str(10.0 * (rank + 1))
+    results["env_split"] = kaitian.DistributedSampler(range(100), 10).split
+    del os.environ["KAITIAN_CAPABILITY"]
+    results["optimize_batch_size"] = kaitian.optimize_batch_size(10)
     gathered = [None] * world
     dist.all_gather_object(gathered, {"group": group, **results})
     if rank == 0:

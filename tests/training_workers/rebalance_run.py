@@ -1,6 +1,6 @@
 """Worker: re-balancing moves samples away from a rank made slower by real compute.
 
-``rebalance_run.py BACKEND SLOW_RANK EXTRA OUT.json``: rank SLOW_RANK runs its
+``rebalance_run.py BACKEND SLOW_RANK EXTRA OUT.json [EVERY]``: rank SLOW_RANK runs its
 hidden layer EXTRA more times per sample (real forward + backward work,
 multiplied by zero so the gradients stay exact - no sleep). Every rank writes
 its re-balancing history; rank 0 writes all of them to OUT.json.
@@ -37,6 +37,7 @@ class Net(torch.nn.Module):
 
 def main():
     backend, slow_rank, extra, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    every = int(sys.argv[5]) if len(sys.argv) > 5 else None
     torch.set_num_threads(1)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,10 +46,10 @@ def main():
     ds = TensorDataset(torch.randn(2048, 32, generator=g), torch.randint(0, 4, (2048,), generator=g))
     sampler = kaitian.DistributedSampler(ds, batch_size=64, seed=1)
     model = kaitian.DistributedDataParallel(Net(extra if rank == slow_rank else 0))
-    balancer = kaitian.Rebalancer(sampler, model, smoothing=0.7, min_gain=0.02)
+    balancer = kaitian.Rebalancer(sampler, model, every=every, smoothing=0.7, min_gain=0.02)
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps = []
+    steps, sizes = [], []
     for epoch in range(5):
         sampler.set_epoch(epoch)
         n = 0
@@ -57,11 +58,13 @@ def main():
             F.cross_entropy(model(x), y).backward()
             opt.step()
             n += 1
+            sizes.append(len(y))
         steps.append(n)
     report = {
         "rank": rank,
         "steps": steps,
         "final_split": sampler.split,
+        "sizes": sizes,
         "history": [[d.per_sample_s, d.old, d.new, d.applied] for d in balancer.history],
         "comm_s": sum(t.comm_s for t in model.step_timings),
         "compute_s": sum(t.compute_s for t in model.step_timings),
