@@ -254,6 +254,8 @@ class DockerRuntime(Runtime):
             log_line_prefixes=log_line_prefixes,
             prepare=prepare,
             client=client,
+            duplicate_stdout_filters=self.ctx.options.get("duplicate_stdout_filters"),  # type: ignore[arg-type]
+            duplicate_stderr_filters=self.ctx.options.get("duplicate_stderr_filters"),  # type: ignore[arg-type]
         )
         pc.start()
         return pc

@@ -209,6 +209,8 @@ class DockerExecContext(PContext):
         prepare: called once at start with this context; returns each local
             rank's exec plan and container id.
         client: the docker SDK client.
+        duplicate_stdout_filters: torchrun's ``--duplicate-stdout-filters``.
+        duplicate_stderr_filters: torchrun's ``--duplicate-stderr-filters``.
     """
 
     def __init__(
@@ -221,8 +223,13 @@ class DockerExecContext(PContext):
         log_line_prefixes: Optional[Dict[int, str]],
         prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecPlan, str]]],
         client: object,
+        duplicate_stdout_filters: Optional[List[str]] = None,
+        duplicate_stderr_filters: Optional[List[str]] = None,
     ) -> None:
-        super().__init__(name, entrypoint, args, envs, logs_specs, log_line_prefixes)
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
         self._prepare = prepare
         self._client = client
         self._prefixes = log_line_prefixes or {}
