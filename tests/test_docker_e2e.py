@@ -177,6 +177,28 @@ def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
     assert _no_workers_left()
 
 
+def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):
+    before = {c.id for c in kaitian_containers(keep=1)}
+    used = []
+    try:
+        for attempt in range(2):
+            out = tmp_path / f"run{attempt}"
+            out.mkdir()
+            proc = subprocess.run(
+                _kaitianrun() + _args("docker", image, "--keep-containers"), env=_env(out, "crash"),
+                cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+            )
+            assert proc.returncode == 1, proc.stderr[-2000:]  # rank 1 exits 3; the containers stay
+            used.append({r["group"]: r["container"] for r in _records(out, "where").values()})
+        kept = {c.id: c for c in kaitian_containers(keep=1) if c.id not in before}
+        assert len(kept) == 2 and all(c.status == "running" for c in kept.values())
+        assert used[0] == used[1] and set(used[0].values()) == set(kept)
+    finally:
+        for c in kaitian_containers(keep=1):
+            if c.id not in before:
+                c.remove(force=True)
+
+
 def test_missing_image_fails_with_one_line(tmp_path, image):
     before = {c.id for c in kaitian_containers()}
     proc = subprocess.run(
