@@ -42,6 +42,18 @@ elif mode == "fail":
             raise ValueError(f"deliberate failure on rank {rank}")
 
     main()
+elif mode == "segment":
+    # A bridge segment named as the backend names it, left behind as by a
+    # worker killed while its process group was being built.
+    from multiprocessing import resource_tracker, shared_memory
+
+    from kaitian.backend.shm_gc import segment_name
+
+    seg = shared_memory.SharedMemory(name=segment_name("feedbeef", rank), create=True, size=64)
+    resource_tracker.unregister(seg._name, "shared_memory")
+    dump("segment", {"name": seg._name.lstrip("/")})
+    seg.close()
+    time.sleep(300)
 elif mode in ("sleep", "ignore-term"):
     if mode == "ignore-term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -240,6 +240,21 @@ def test_shared_memory_and_host_network_work_across_containers(run, tmp_path):
     assert _read(out, "gloo", 1) == {"sum": [3.0] * 4, "world": 2}
 
 
+def test_removing_containers_removes_the_shared_memory_their_workers_left(run, tmp_path):
+    rt = run()
+    pc, out = _start(rt, tmp_path, _two_groups(), "segment")
+    try:
+        for rank in (0, 1):
+            _wait_file(out / f"segment.{rank}.json")
+        names = [_read(out, "segment", rank)["name"] for rank in (0, 1)]
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+    finally:
+        pc.close(timeout=5)
+    rt.shutdown()
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names), names
+    assert kaitian_containers(run_id=rt.ctx.run_id) == []
+
+
 _KILLED_AGENT = textwrap.dedent("""
     import os, sys, time
     sys.path[:0] = [{repo!r}, {here!r}]

@@ -15,7 +15,7 @@ import re
 import time
 from typing import List
 
-__all__ = ["SHM_DIR", "segment_name", "pid_namespace", "collect_stale_segments"]
+__all__ = ["SHM_DIR", "segment_name", "pid_namespace", "collect_stale_segments", "collect_namespace_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,31 @@ def collect_stale_segments(shm_dir: str = SHM_DIR) -> List[str]:
                 os.unlink(path)
                 removed.append(name)
                 logger.info("kaitian: removed stale shared memory %s (pid %s is gone)", name, pid)
+            except OSError:
+                pass
+    return removed
+
+
+def collect_namespace_segments(pid_ns: int, shm_dir: str = SHM_DIR) -> List[str]:
+    """Unlinks every kaitian segment created in pid namespace ``pid_ns``.
+
+    For callers that know a namespace is gone for good (the docker runtime,
+    after removing a container), so its segments need not wait to age out.
+
+    Returns:
+        The names that were removed.
+    """
+    removed: List[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME.match(name)
+        if match and int(match.group(1)) == pid_ns:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
             except OSError:
                 pass
     return removed

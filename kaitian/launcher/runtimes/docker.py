@@ -65,6 +65,7 @@ __all__ = [
     "connect",
     "agent_identity",
     "owner_alive",
+    "remove_container",
 ]
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,28 @@ def owner_alive(labels: Mapping[str, str]) -> bool:
         return False
     start = _process_start(pid)
     return start is not None and start == labels.get(LABEL_AGENT_START)
+
+
+def _pid_namespace_of(container: object) -> Optional[int]:
+    """The pid namespace (inode) of a running container, if this host can see it."""
+    try:
+        container.reload()  # listed containers carry only a summary
+        pid = int(container.attrs["State"]["Pid"] or 0)
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino if pid > 0 else None
+    except Exception:  # noqa: BLE001 (gone already, another host, no permission: nothing to clean)
+        return None
+
+
+def remove_container(container: object) -> None:
+    """Removes a container (killing what runs in it) and the kaitian shared-memory
+    segments its processes left: their pid namespace is gone with it."""
+    from kaitian.backend.shm_gc import collect_namespace_segments
+
+    pid_ns = _pid_namespace_of(container)
+    container.remove(force=True)
+    if pid_ns:
+        for name in collect_namespace_segments(pid_ns):
+            logger.info("removed shared memory %s left in container %s", name, container.name)
 
 
 def _label_filters(labels: Mapping[str, str]) -> Dict[str, List[str]]:
@@ -268,7 +291,7 @@ class DockerRuntime(Runtime):
         client = self._client
         for group, cid in list(self._containers.items()):
             try:
-                client.containers.get(cid).remove(force=True)
+                remove_container(client.containers.get(cid))
                 logger.info("removed container of group %s", group)
             except Exception as exc:  # noqa: BLE001
                 if type(exc).__name__ != "NotFound":
@@ -292,7 +315,7 @@ class DockerRuntime(Runtime):
             if owner_alive(c.labels):
                 continue
             try:
-                c.remove(force=True)
+                remove_container(c)
                 removed.append(c.name)
             except Exception as exc:  # noqa: BLE001
                 if type(exc).__name__ != "NotFound":
@@ -432,7 +455,7 @@ class DockerRuntime(Runtime):
         found = _find_one(client, key)
         if found is not None and found.labels.get(LABEL_SPEC) != plan.spec:
             logger.info("container %s no longer matches its group; recreating it", found.name)
-            found.remove(force=True)
+            remove_container(found)
             found = None
         if found is not None:
             if found.status != "running":
