@@ -95,6 +95,11 @@ def _worker(args: argparse.Namespace) -> int:
             opt.step()
         dist.barrier()
         epoch_times.append(time.perf_counter() - start)
+    timings = list(model.step_timings)[len(model.step_timings) // 2:]
+    own = [sum(t.compute_s for t in timings), sum(t.comm_s for t in timings),
+           sum(t.samples for t in timings), len(timings)]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, own)
     per_epoch = n  # every sample once per epoch (no padding: n divides evenly)
     measured = epoch_times[1:]
     steady = measured[len(measured) // 2:]
@@ -104,6 +109,9 @@ def _worker(args: argparse.Namespace) -> int:
         "samples_per_s": per_epoch * len(measured) / sum(measured),
         "steady_samples_per_s": per_epoch * len(steady) / sum(steady),
         "final_split": sampler.split,
+        # second half of the run, per rank: compute seconds per sample, comm ms per step
+        "compute_per_sample_ms": [1000 * c / max(1, k) for c, _, k, _ in everyone],
+        "comm_ms_per_step": [1000 * m / max(1, st) for _, m, _, st in everyone],
     }
     if rank == 0 and args.out:
         with open(args.out, "w", encoding="utf-8") as f:
