@@ -355,3 +355,32 @@ def test_cpu_quota_throttles(tmp_path, mode):
         assert "cgroup" not in slow
         assert slow["gaps"] >= 10, slow
     assert not _leftovers(proc.pid)
+
+
+def test_node_joins_running_job(tmp_path):
+    """--nnodes 1:2: a second node joining restarts the group into one bigger world.
+
+    The membership change does not use a restart (count stays 0), and the
+    joining node, whose device mix differs, is laid out by vendor group.
+    """
+    common = ["--nnodes", "1:2", "--rdzv-backend", "kaitian", "--rdzv-endpoint", "127.0.0.1:29643",
+              "--rdzv-id", "grow", "--rdzv-conf", "last_call_timeout=1", "--nproc-auto"]
+    script = [_script("grow.py"), str(tmp_path), "12"]
+    first = subprocess.Popen([*_kaitianrun(), *common, "--cpu-slots", "1", "--cpu-groups", "1", *script],
+                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(6)  # the first node runs alone for a while
+        assert first.poll() is None, first.stdout.read()[-3000:]
+        second = _run([*_kaitianrun(), *common, "--cpu-slots", "2", "--cpu-groups", "2", *script], timeout=180)
+        out_first, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 0 and first.returncode == 0, second.stderr[-3000:] + out_first[-3000:]
+    done = [json.load(open(p)) for p in glob.glob(str(tmp_path / "done.*.json"))]
+    assert sorted(int(d["RANK"]) for d in done) == [0, 1, 2]
+    for d in done:
+        assert d["WORLD_SIZE"] == "3" and d["GROUP_WORLD_SIZE"] == "2" and d["sum"] == 3.0
+        assert d["TORCHELASTIC_RESTART_COUNT"] == "0"
+    groups = {int(d["RANK"]): d["KAITIAN_GROUP"] for d in done}
+    assert groups == {0: "cpu0", 1: "cpu0", 2: "cpu1"}

@@ -179,7 +179,7 @@ def test_exchange_inventory_between_nodes():
     results = {}
 
     def node(rank):
-        results[rank] = exchange_inventory(store, rank, 2, slots[rank])
+        results[rank] = exchange_inventory(store, rank, 2, slots[rank])[1]
 
     threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
     for t in threads:

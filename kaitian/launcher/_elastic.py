@@ -66,6 +66,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: F401
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F401
@@ -116,6 +117,7 @@ __all__ = [
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
+    "RendezvousStoreInfo",
     "RunProcsResult",
     "RunResult",
     "SignalException",

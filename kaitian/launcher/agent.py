@@ -85,7 +85,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
         self._watchdog = None
         self._health_check_server = None
         self.inventories: List[List[Slot]] = []
-        self._round = 0  # rendezvous rounds seen (the same count on every node)
+        self._epoch = 0  # this round's inventory exchange number (the same on every node)
         self._starts = 0
         self._worker_store = None
         handler = spec.rdzv_handler
@@ -104,9 +104,10 @@ class KaitianAgent(_te.SimpleElasticAgent):
         """Exchanges inventories (unless the kaitian rendezvous did) and lays ranks out by vendor."""
         handler = spec.rdzv_handler
         inventories = getattr(handler, "inventories", None)
-        if not inventories or len(inventories) != group_world_size:
-            inventories = exchange_inventory(store, group_rank, group_world_size, self._local_slots())
-        self._round += 1
+        epoch = getattr(handler, "epoch", None)
+        if not inventories or len(inventories) != group_world_size or epoch is None:
+            epoch, inventories = exchange_inventory(store, group_rank, group_world_size, self._local_slots())
+        self._epoch = epoch
         self.inventories = inventories
         placements = lay_out(inventories)
         workers = []
@@ -125,28 +126,29 @@ class KaitianAgent(_te.SimpleElasticAgent):
 
     # -- the workers' store on restarts ---------------------------------------
 
-    def _fresh_worker_store_port(self, worker_group: "_te.WorkerGroup") -> int:
-        """A new TCPStore server for this start's workers; returns its port on every node.
+    def _worker_store_port(self, worker_group: "_te.WorkerGroup") -> int:
+        """The port of the store this start's workers use, decided by node 0 for every node.
 
         torch 2.13 workers join the agent's store without a per-attempt prefix
         (``TORCHELASTIC_USE_AGENT_STORE``), and the agent's store outlives a
         restart, so restarted workers would read the previous attempt's keys
         (gloo connects to dead peers and the job hangs, under torchrun too).
-        From the second start on, the node-0 agent serves the workers a fresh
-        store; the first start keeps torchrun's exact ``MASTER_PORT``.
+        Node 0 therefore serves a fresh store from its second start on (its
+        first start keeps torchrun's exact ``MASTER_PORT``) and publishes the
+        port in the round's store: a node joining later must use the same one.
         """
         import torch.distributed as dist
 
-        key = f"kaitian/worker_store/{self._round}"
+        key = f"kaitian/worker_store/{self._epoch}"
         if worker_group.group_rank == 0:
-            self._worker_store = None  # the previous attempt's workers are gone
-            self._worker_store = dist.TCPStore(
-                host_name=worker_group.master_addr,
-                port=0,
-                is_master=True,
-                wait_for_workers=False,
-            )
-            worker_group.store.set(key, str(self._worker_store.port))
+            port = worker_group.master_port
+            if self._starts > 0:
+                self._worker_store = None  # the previous attempt's workers are gone
+                self._worker_store = dist.TCPStore(
+                    host_name=worker_group.master_addr, port=0, is_master=True, wait_for_workers=False
+                )
+                port = self._worker_store.port
+            worker_group.store.set(key, str(port))
         return int(worker_group.store.get(key))
 
     # -- the worker environment ----------------------------------------------
@@ -253,8 +255,8 @@ class KaitianAgent(_te.SimpleElasticAgent):
             raise AssertionError("worker group has no store; rendezvous first")
         restart_count = spec.max_restarts - self._remaining_restarts
         start_dir = self._run_dir.new_start()
-        if self._starts > 0 and spec.rdzv_handler.use_agent_store:
-            worker_group.master_port = self._fresh_worker_store_port(worker_group)
+        if spec.rdzv_handler.use_agent_store:
+            worker_group.master_port = self._worker_store_port(worker_group)
         self._starts += 1
 
         args: Dict[int, tuple] = {}

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from kaitian.launcher import _elastic as _te
 from kaitian.launcher.agent import KaitianAgent
 from kaitian.launcher.plan import WorkerPlan
+from kaitian.launcher.rendezvous import KaitianRendezvousHandler
 from kaitian.launcher.rundir import RunDir
 from kaitian.launcher.runtimes import Runtime
 
@@ -95,12 +96,15 @@ def launch_agent(
     master_addr, master_port = _te.get_addr_and_port(rdzv_parameters)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
 
+    rdzv_handler = _te.get_rendezvous_handler(rdzv_parameters)
+    if not isinstance(rdzv_handler, KaitianRendezvousHandler):
+        rdzv_handler = KaitianRendezvousHandler(rdzv_handler, name=rdzv_handler.get_backend())
     spec = _te.WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
         args=tuple(args),
-        rdzv_handler=_te.get_rendezvous_handler(rdzv_parameters),
+        rdzv_handler=rdzv_handler,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
         master_addr=master_addr,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from kaitian.launcher import _elastic as _te
 from kaitian.launcher.layout import Slot
@@ -38,7 +38,9 @@ BACKEND_NAME = "kaitian"
 _INVENTORY_PREFIX = "kaitian/inventory"
 
 
-def exchange_inventory(store, group_rank: int, group_world_size: int, slots: Sequence[Slot]) -> List[List[Slot]]:
+def exchange_inventory(
+    store, group_rank: int, group_world_size: int, slots: Sequence[Slot]
+) -> Tuple[int, List[List[Slot]]]:
     """Publishes this node's slots and returns every node's, indexed by group rank.
 
     Keys carry a per-node exchange counter, so a store that outlives a
@@ -52,29 +54,40 @@ def exchange_inventory(store, group_rank: int, group_world_size: int, slots: Seq
         slots: this node's workers, in local-rank order.
 
     Returns:
-        The inventories of all nodes.
+        ``(epoch, inventories)``: the exchange's number (the same on every
+        node; a key prefix for anything else exchanged in this round) and the
+        inventories of all nodes, indexed by group rank.
     """
     epoch = store.add(f"{_INVENTORY_PREFIX}/epoch/{group_rank}", 1)
     prefix = f"{_INVENTORY_PREFIX}/{epoch}"
     store.set(f"{prefix}/{group_rank}", json.dumps([s.to_json() for s in slots]))
     raw = store.multi_get([f"{prefix}/{r}" for r in range(group_world_size)])
-    return [[Slot.from_json(s) for s in json.loads(bytes(b).decode())] for b in raw]
+    return epoch, [[Slot.from_json(s) for s in json.loads(bytes(b).decode())] for b in raw]
 
 
 class KaitianRendezvousHandler(_te.RendezvousHandler):
-    """A c10d dynamic rendezvous that also exchanges the nodes' device inventories.
+    """Wraps a torchelastic rendezvous: adds the inventory exchange and a scale-up fix.
 
     Set :attr:`local_slots` before :meth:`next_rendezvous`; afterwards
-    :attr:`inventories` holds every node's slots for the round.
+    :attr:`inventories` holds every node's slots for the round. As
+    ``--rdzv-backend kaitian`` it wraps c10d's dynamic rendezvous; the launcher
+    also wraps the other backends with it (keeping their name), so every
+    backend gets the same behaviour.
+
+    Args:
+        inner: the rendezvous doing the actual join.
+        name: what :meth:`get_backend` reports.
     """
 
-    def __init__(self, inner: "_te.RendezvousHandler") -> None:
+    def __init__(self, inner: "_te.RendezvousHandler", name: str = BACKEND_NAME) -> None:
         self._inner = inner
+        self._name = name
         self.local_slots: Optional[List[Slot]] = None
         self.inventories: Optional[List[List[Slot]]] = None
+        self.epoch: Optional[int] = None
 
     def get_backend(self) -> str:
-        return BACKEND_NAME
+        return self._name
 
     @property
     def use_agent_store(self) -> bool:
@@ -82,9 +95,18 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
 
     def next_rendezvous(self):
         info = self._inner.next_rendezvous()
-        self.inventories = None
+        if info.rank == 0 and info.bootstrap_store_info is not None:
+            # torch 2.13's dynamic rendezvous publishes the agent store's address
+            # only in the round where node 0 created it; a node joining a later
+            # round (scale-up) waits for it in that round's store until it times
+            # out. Node 0 republishes it in every round.
+            info.store.set(_te.RendezvousStoreInfo.MASTER_ADDR_KEY, info.bootstrap_store_info.master_addr)
+            info.store.set(_te.RendezvousStoreInfo.MASTER_PORT_KEY, str(info.bootstrap_store_info.master_port))
+        self.inventories = self.epoch = None
         if self.local_slots is not None:
-            self.inventories = exchange_inventory(info.store, info.rank, info.world_size, self.local_slots)
+            self.epoch, self.inventories = exchange_inventory(
+                info.store, info.rank, info.world_size, self.local_slots
+            )
             logger.info("kaitian rendezvous: inventories %s", self.inventories)
         return info
 

@@ -480,8 +480,12 @@ class DockerRuntime(Runtime):
             container.start()
         except docker.errors.APIError as exc:
             container.remove(force=True)
+            why = str(exc.explanation or exc)
+            hint = ""
+            if 'device driver "nvidia"' in why:
+                hint = ("; install the NVIDIA container toolkit and configure docker for it "
+                        "(nvidia-ctk runtime configure --runtime=docker, then restart dockerd)")
             raise DockerRuntimeError(
-                f"cannot start the container for group {plan.group!r} ({plan.image}): "
-                f"{exc.explanation or exc}"
+                f"cannot start the container for group {plan.group!r} ({plan.image}): {why}{hint}"
             ) from None
         return container.id
