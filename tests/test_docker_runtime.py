@@ -21,6 +21,7 @@ from _docker_support import TEST_IMAGE, engine, kaitian_containers, test_image
 from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
 from kaitian.launcher.runtimes.docker import (
     DockerRuntime,
+    DockerRuntimeError,
     DockerUnavailableError,
     ImageNotFoundError,
     connect,
@@ -308,6 +309,27 @@ def test_missing_image_is_one_clear_line_and_creates_nothing(run, tmp_path):
     assert "\n" not in message and "kaitian-test:does-not-exist" in message
     assert "kaitian images build" in message
     assert kaitian_containers(run_id=rt.ctx.run_id) == []
+
+
+def test_cuda_group_requests_exactly_its_gpu_from_the_engine(run, tmp_path):
+    """A CUDA group gets its GPUs through an NVIDIA device request. On an engine
+    without the NVIDIA toolkit (CI) that fails at start, cleanly, saying what to
+    install; with it, the container carries exactly the selected GPU."""
+    rt = run(images={"cuda": TEST_IMAGE})
+    workers = {0: WorkerLaunch(0, 0, "cuda", 0, "cuda")}
+    if "nvidia" not in (engine().info().get("Runtimes") or {}):
+        with pytest.raises(DockerRuntimeError) as err:
+            _start(rt, tmp_path, workers, "env")
+        message = str(err.value)
+        assert "\n" not in message and "group 'cuda'" in message
+        assert 'device driver "nvidia"' in message and "NVIDIA container toolkit" in message
+        assert kaitian_containers(run_id=rt.ctx.run_id) == []
+        return
+    pc, _ = _start(rt, tmp_path, workers, "env")
+    pc.close()
+    (container,) = kaitian_containers(run_id=rt.ctx.run_id)
+    (request,) = container.attrs["HostConfig"]["DeviceRequests"]
+    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == ["0"]
 
 
 def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):
