@@ -224,3 +224,28 @@ def test_kaitian_rendezvous_single_node():
         assert handler.get_run_id() == "unit" and handler.use_agent_store
     finally:
         handler.shutdown()
+
+
+def test_cuda_discovery_from_nvidia_smi(tmp_path, monkeypatch):
+    """nvidia-smi's CSV -> Devices (a stand-in nvidia-smi on PATH prints what the real one prints)."""
+    from kaitian.launcher.devices import discover, format_table
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo '0, NVIDIA H100 80GB HBM3, 81559, 00000000:19:00.0, 5, 16'\n"
+        "echo '1, NVIDIA H100 80GB HBM3, 81559, 00000000:3B:00.0, 5, 16'\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda = [d for d in discover(detail=True) if d.vendor == "cuda"]
+    assert [d.key for d in cuda] == ["cuda:0", "cuda:1"]
+    assert cuda[1].name == "NVIDIA H100 80GB HBM3" and cuda[1].memory_bytes == 81559 << 20
+    assert cuda[1].bus_id == "00000000:3b:00.0" and cuda[1].link == "PCIe5 x16"
+    # torch renumbers what CUDA_VISIBLE_DEVICES shows; so does discovery
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    cuda = [d for d in discover(detail=True) if d.vendor == "cuda"]
+    assert [(d.key, d.bus_id) for d in cuda] == [("cuda:0", "00000000:3b:00.0")]
+    table = format_table(cuda)
+    assert "79.6 GiB" in table and "PCIe5 x16" in table
