@@ -384,3 +384,21 @@ def test_node_joins_running_job(tmp_path):
         assert d["TORCHELASTIC_RESTART_COUNT"] == "0"
     groups = {int(d["RANK"]): d["KAITIAN_GROUP"] for d in done}
     assert groups == {0: "cpu0", 1: "cpu0", 2: "cpu1"}
+
+
+def test_logs_redirects_filter_and_monitor(tmp_path):
+    """-r / --local-ranks-filter / --log-dir as torchrun (per-rank files), prefixes on the console, --monitor."""
+    logs, out, mon = tmp_path / "logs", tmp_path / "out", tmp_path / "mon"
+    out.mkdir()
+    proc = _run([*_kaitianrun(), "--nproc-per-node", "2", "--log-dir", str(logs), "-r", "0:1",
+                 "--local-ranks-filter", "1", "--monitor", str(mon), _script("envdump.py"), str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[1|cpu]:dumped 1" in proc.stdout
+    assert "dumped 0" not in proc.stdout  # redirected to its file, and filtered from the console
+    files = {int(p.split(os.sep)[-2]): open(p).read()
+             for p in glob.glob(str(logs / "*" / "attempt_0" / "*" / "stdout.log"))}
+    assert "dumped 0" in files[0] and "dumped 1" in files[1]
+    envs = _dumps(str(out))
+    assert envs[0]["KAITIAN_MONITOR_DIR"] == envs[1]["KAITIAN_MONITOR_DIR"] == str(mon)
+    assert (mon / "summary.txt").is_file() and (mon / "monitor.png").is_file()
+    assert not _leftovers(proc.pid)

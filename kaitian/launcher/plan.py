@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kaitian.launcher.devices import Device, DeviceSelectionError, discover, parse_devices_flag, select
+from kaitian.launcher.devices import Device, discover, parse_devices_flag, select
 
 __all__ = ["WorkerPlan", "PlanError", "parse_cpu_quota", "plan_workers"]
 
