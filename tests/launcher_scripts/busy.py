@@ -1,7 +1,7 @@
 """Spins for WALL seconds; writes what it observed to OUT_DIR/cpu.<RANK>.json.
 
 Recorded: the CPU time it got, how often its loop was held up for more than
-20 ms (a SIGSTOP duty cycle shows as many such gaps), and, when it runs in a
+10 ms (a SIGSTOP duty cycle shows as many such gaps), and, when it runs in a
 cgroup-v1 cpu cgroup, that cgroup's quota and throttling counter.
 """
 import json
@@ -14,7 +14,7 @@ start_cpu, start = time.process_time(), time.monotonic()
 last, gaps = start, 0
 while True:
     now = time.monotonic()
-    if now - last > 0.02:
+    if now - last > 0.01:
         gaps += 1
     last = now
     if now - start >= wall:

@@ -25,7 +25,10 @@ __all__ = ["pin", "CgroupQuota", "DutyCycle", "cgroup_root", "cgroups_writable",
 logger = logging.getLogger(__name__)
 
 _CGROUP_CPU = "/sys/fs/cgroup/cpu"
-_PERIOD_US = 100_000
+# A short period makes a quota'd worker uniformly slower (like a slower device)
+# instead of bursty: with 100 ms, a 30-100 ms training step runs at full speed
+# and then freezes, and per-phase timings become meaningless.
+_PERIOD_US = 10_000
 
 
 def pin(pid: int, cpus: Sequence[int]) -> None:
@@ -154,7 +157,7 @@ class DutyCycle:
         period: length of one cycle in seconds.
     """
 
-    def __init__(self, period: float = 0.05) -> None:
+    def __init__(self, period: float = 0.02) -> None:
         self._period = period
         self._targets: Dict[int, float] = {}  # pid (its process group) -> fraction
         self._lock = threading.Lock()
