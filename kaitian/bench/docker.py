@@ -231,7 +231,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="kaitian", help="process-group backend (default kaitian)")
     p.add_argument("--size-mb", type=int, default=64, help="allreduce size in MiB (default 64)")
     p.add_argument("--iters", type=int, default=10, help="timed allreduces per run (default 10)")
-    p.add_argument("--runs", type=int, default=3, help="measured runs per runtime (default 3)")
+    p.add_argument("--runs", type=int, default=5, help="measured runs per runtime (default 5)")
     p.add_argument("--timeout", type=float, default=300, help="seconds allowed per kaitianrun job")
     return p
 

@@ -71,6 +71,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+# The environment's client, once it has answered (the agent, its stale-container
+# collection and its runtime share one connection).
+_default_client: object = None
+
+
 def connect(client: object = None) -> object:
     """A docker SDK client that has answered a ping.
 
@@ -99,10 +104,16 @@ def connect(client: object = None) -> object:
         f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
         "(sudo usermod -aG docker $USER, then log in again) or run as root"
     )
+    global _default_client
+    if client is None and _default_client is not None:
+        return _default_client
     try:
         if client is None:
             client = docker.DockerClient.from_env(max_pool_size=64)
-        client.ping()
+            client.ping()
+            _default_client = client
+        else:
+            client.ping()
     except PermissionError:
         raise denied from None
     except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
@@ -224,7 +235,6 @@ class DockerRuntime(Runtime):
         self._client = client
         self._agent = agent_identity()
         self._containers: Dict[str, str] = {}  # group -> container id, this run's
-        self._collected = False
         self._image_info: Dict[str, Tuple[Tuple[Mount, ...], str]] = {}
 
     @property
@@ -257,10 +267,6 @@ class DockerRuntime(Runtime):
         if not isinstance(entrypoint, str):
             entrypoint, args = _as_binary(entrypoint, args)
         client = self.client
-        if not self._collected:
-            self._collected = True
-            for removed in self.collect_stale(client):
-                logger.warning("removed container %s left by a killed agent", removed)
         # Check images before anything is started, so a missing one fails alone.
         for w in workers.values():
             self._image(image_for(w.group, w.device_type, self.options.images))
