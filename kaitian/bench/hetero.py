@@ -1,19 +1,22 @@
 """``kaitian bench hetero``: equal vs capability vs re-balanced split on two groups of different speed.
 
-Two simulated vendor groups on this host's CPUs, one CPU slot each; kaitianrun
-gives group ``cpu0`` ``--quota`` cores of CPU time and ``cpu1`` a third of that
-(cgroup CPU quota), so cpu1 is really about 3x slower. In one run the bench
-measures training throughput (samples/s, synthetic data, an MLP, backend
-kaitian, kaitian.DistributedDataParallel) for:
+Two simulated vendor groups on this host's CPUs, one CPU slot (core) each;
+kaitianrun gives group ``cpu0`` ``--quota`` cores of CPU time and ``cpu1``
+less (default ``1,0.33``: a cgroup CPU quota, so cpu1 is really about 3x
+slower). One kaitianrun job (backend kaitian) trains an MLP on synthetic data
+and cycles through four phases, one epoch each, so that changes in the
+machine's load hit every mode alike:
 
-* each group alone (its solo throughput; the *ideal* is their sum),
-* the equal split (torch's behaviour),
-* the static capability split (the solo throughputs as capabilities, what
-  ``kaitian init`` would hand the sampler),
-* online re-balancing (starting from the equal split).
+* *solo*: each rank trains a local copy alone (both at once, no
+  communication); the *ideal* is the sum of the two solo throughputs,
+* *equal split* (torch's behaviour) with kaitian.DistributedDataParallel,
+* *static capability split*: the first cycle's solo throughputs as
+  capabilities (what ``kaitian init`` under the same conditions would give),
+* *online re-balancing*: starts equal; its Rebalancer re-splits between its
+  epochs and keeps its state across cycles.
 
-Throughput is reported over the whole measured run (after one warm-up epoch)
-and in steady state (the second half of the epochs).
+The first cycle is warm-up (and re-balancing's first measurement); the table
+reports the mean over the remaining cycles, re-balancing also over all cycles.
 """
 
 from __future__ import annotations
@@ -26,24 +29,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 __all__ = ["main"]
+
+_MODES = ("solo", "equal", "static", "rebalance")
+_LABELS = {
+    "equal": "equal split",
+    "static": "static capability split",
+    "rebalance": "online re-balancing",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kaitian bench hetero", description=__doc__.splitlines()[0])
     p.add_argument("--quota", default="1,0.33",
                    help="CPU cores of time for groups cpu0,cpu1 (default 1,0.33: about 3:1)")
-    p.add_argument("--batch-size", type=int, default=256, help="per-rank batch of the equal split")
+    p.add_argument("--batch-size", type=int, default=1024, help="per-rank batch of the equal split")
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP")
-    p.add_argument("--epochs", type=int, default=8, help="epochs per measurement (first is warm-up)")
-    p.add_argument("--steps", type=int, default=6, help="steps per epoch")
+    p.add_argument("--cycles", type=int, default=5, help="cycles of the four phases (first is warm-up)")
+    p.add_argument("--steps", type=int, default=4, help="steps per phase (one epoch)")
     p.add_argument("--backend", default="kaitian")
     p.add_argument("--json", default=None, help="also write the results to this file")
-    # internal: the training worker started by kaitianrun
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--capabilities", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -61,62 +69,94 @@ def _worker(args: argparse.Namespace) -> int:
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = kaitian.device()
-    kaitian.manual_seed(0)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     n = args.batch_size * world * args.steps
     g = torch.Generator().manual_seed(0)
-    data = torch.randn(n, 256, generator=g)
-    labels = torch.randint(0, 10, (n,), generator=g)
+    data = torch.randn(n, 256, generator=g).to(device)
+    labels = torch.randint(0, 10, (n,), generator=g).to(device)
     dataset = list(range(n))
-    caps = None
-    if args.worker in ("equal", "rebalance"):
-        caps = [1.0] * world
-    elif args.worker == "static":
-        caps = [float(c) for c in args.capabilities.split(",")]
-    sampler = kaitian.DistributedSampler(dataset, args.batch_size, capabilities=caps, seed=0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(256, args.hidden), torch.nn.ReLU(),
-        torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-        torch.nn.Linear(args.hidden, 10),
-    ).to(device)
-    model = kaitian.DistributedDataParallel(net)
-    if args.worker == "rebalance":
-        kaitian.Rebalancer(sampler, model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    epoch_times: List[float] = []
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        dist.barrier()
-        start = time.perf_counter()
-        for idx in sampler.epoch_batches():
-            x, y = data[idx].to(device), labels[idx].to(device)
+
+    def make_net():
+        kaitian.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(256, args.hidden), torch.nn.ReLU(),
+            torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
+            torch.nn.Linear(args.hidden, 10),
+        ).to(device)
+
+    def gather(value: float) -> List[float]:
+        slots = torch.zeros(world, dtype=torch.float64, device=device)
+        slots[rank] = value
+        dist.all_reduce(slots)
+        return slots.cpu().tolist()
+
+    def train(model, opt, batches) -> int:
+        seen = 0
+        for idx in batches:
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(model(data[idx]), labels[idx]).backward()
             opt.step()
-        dist.barrier()
-        epoch_times.append(time.perf_counter() - start)
-    timings = list(model.step_timings)[len(model.step_timings) // 2:]
-    own = [sum(t.compute_s for t in timings), sum(t.comm_s for t in timings),
-           sum(t.samples for t in timings), len(timings)]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, own)
-    per_epoch = n  # every sample once per epoch (no padding: n divides evenly)
-    measured = epoch_times[1:]
-    steady = measured[len(measured) // 2:]
+            seen += len(idx)
+        return seen
+
+    solo_net = make_net()
+    solo_opt = torch.optim.SGD(solo_net.parameters(), lr=0.01)
+    runs = {}
+    for mode in ("equal", "rebalance"):
+        sampler = kaitian.DistributedSampler(dataset, args.batch_size, capabilities=[1.0] * world)
+        model = kaitian.DistributedDataParallel(make_net())
+        if mode == "rebalance":
+            balancer = kaitian.Rebalancer(sampler, model)
+        runs[mode] = (sampler, model, torch.optim.SGD(model.parameters(), lr=0.01))
+
+    history = {m: [] for m in _MODES}
+    solo_rates: List[float] = []
+    epoch = 0
+    for cycle in range(args.cycles):
+        for mode in _MODES:
+            if mode == "static" and "static" not in runs:
+                sampler = kaitian.DistributedSampler(dataset, args.batch_size, capabilities=solo_rates)
+                model = kaitian.DistributedDataParallel(make_net())
+                runs["static"] = (sampler, model, torch.optim.SGD(model.parameters(), lr=0.01))
+            dist.barrier()
+            start = time.perf_counter()
+            if mode == "solo":
+                perm = torch.randperm(n, generator=torch.Generator().manual_seed(cycle)).tolist()
+                own = [perm[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.steps)]
+                seen = train(solo_net, solo_opt, own)
+                rates = gather(seen / (time.perf_counter() - start))
+                if not solo_rates:
+                    solo_rates = rates
+                history["solo"].append(sum(rates))
+                continue
+            sampler, model, opt = runs[mode]
+            sampler.set_epoch(epoch)  # the re-balancer's round happens here
+            start = time.perf_counter()  # after the round: it is not training time
+            seen = train(model, opt, sampler.epoch_batches())
+            dist.barrier()
+            elapsed = time.perf_counter() - start
+            history[mode].append(sum(gather(seen)) / elapsed)
+        epoch += 1
+
+    def mean(values: List[float]) -> float:
+        return sum(values) / len(values)
+
+    steady = {m: mean(v[1:]) for m, v in history.items()}
     result = {
-        "mode": args.worker,
         "world": world,
-        "samples_per_s": per_epoch * len(measured) / sum(measured),
-        "steady_samples_per_s": per_epoch * len(steady) / sum(steady),
-        "final_split": sampler.split,
-        # second half of the run, per rank: compute seconds per sample, comm ms per step
-        "compute_per_sample_ms": [1000 * c / max(1, k) for c, _, k, _ in everyone],
-        "comm_ms_per_step": [1000 * m / max(1, st) for _, m, _, st in everyone],
+        "solo_rates_first_cycle": solo_rates,
+        "history": history,
+        "steady": steady,
+        "rebalance_all_cycles": mean(history["rebalance"]),
+        "splits": {m: runs[m][0].split for m in runs},
+        "rebalance_rounds": [[d.per_sample_s, d.new] for d in balancer.history],
+        "timings": {m: [[t.samples, t.compute_s, t.comm_s, t.step_s] for t in runs[m][1].step_timings][-8:]
+                    for m in runs},
     }
     if rank == 0 and args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f)
-    del model, opt
+    del runs, model, opt, sampler
     gc.collect()
     dist.destroy_process_group()
     return 0
@@ -125,57 +165,8 @@ def _worker(args: argparse.Namespace) -> int:
 # -- driver -------------------------------------------------------------------------------
 
 
-def _kaitianrun_cmd(launch: List[str], worker_args: List[str], out: str) -> List[str]:
-    return [sys.executable, "-m", "kaitian.launcher.cli", *launch,
-            "-m", "kaitian.bench.hetero", *worker_args, "--out", out]
-
-
-def _collect(procs: List[tuple], timeout: float) -> List[dict]:
-    """Waits for launched kaitianrun processes; returns their results in order."""
-    results = []
-    deadline = time.monotonic() + timeout
-    try:
-        for proc, cmd, out in procs:
-            stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0 or not os.path.exists(out):
-                tail = (stdout + stderr)[-2500:]
-                raise RuntimeError(f"kaitianrun failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
-            with open(out, encoding="utf-8") as f:
-                results.append(json.load(f))
-    finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-    return results
-
-
-def _run(jobs: List[tuple], timeout: float) -> List[dict]:
-    """Starts kaitianrun jobs ``(launch, worker_args, out)`` at once and waits for all."""
-    procs = []
-    for launch, worker_args, out in jobs:
-        cmd = _kaitianrun_cmd(launch, worker_args, out)
-        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True), cmd, out))
-    return _collect(procs, timeout)
-
-
-def _solo_pair(quotas, common, tmp, round_no, timeout) -> List[dict]:
-    jobs = []
-    for i, quota in enumerate(quotas):
-        launch = ["--nproc-auto", "--cpu-slots", "2", "--devices", f"cpu:{i}",
-                  "--cpu-quota", f"{quota:g}"]
-        jobs.append((launch, ["--worker", "solo", *common],
-                     os.path.join(tmp, f"solo{i}-{round_no}.json")))
-    return _run(jobs, timeout)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``kaitian bench hetero``; returns 0, 1 if a run failed, 2 on bad arguments."""
+    """Entry point of ``kaitian bench hetero``; returns 0, 1 if the run failed, 2 on bad arguments."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.worker:
         return _worker(args)
@@ -187,63 +178,61 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("kaitian bench hetero: --quota needs two positive core counts, e.g. 1,0.33",
               file=sys.stderr)
         return 2
-    if args.epochs < 3 or args.steps < 1 or args.batch_size < 2:
-        print("kaitian bench hetero: need --epochs >= 3, --steps >= 1, --batch-size >= 2",
+    if args.cycles < 2 or args.steps < 1 or args.batch_size < 2:
+        print("kaitian bench hetero: need --cycles >= 2, --steps >= 1, --batch-size >= 2",
               file=sys.stderr)
         return 2
-    common = ["--batch-size", str(args.batch_size), "--hidden", str(args.hidden),
-              "--epochs", str(args.epochs), "--steps", str(args.steps), "--backend", args.backend]
-    pair = ["--nproc-auto", "--cpu-slots", "2", "--cpu-groups", "2", "--cpu-quota", args.quota]
-    timeout = 600.0
     print(f"kaitian bench hetero: groups cpu0 / cpu1 with {quotas[0]:g} / {quotas[1]:g} cores "
           f"of CPU time, MLP 256-{args.hidden}-{args.hidden}-10, per-rank batch "
-          f"{args.batch_size} (global {2 * args.batch_size}), {args.epochs} epochs x "
+          f"{args.batch_size} (global {2 * args.batch_size}), {args.cycles} cycles x 4 phases x "
           f"{args.steps} steps, backend {args.backend}", flush=True)
-    results: Dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kaitian-bench-hetero-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--nproc-auto", "--cpu-slots", "2",
+               "--cpu-groups", "2", "--cpu-quota", args.quota, "-m", "kaitian.bench.hetero",
+               "--worker", "--batch-size", str(args.batch_size), "--hidden", str(args.hidden),
+               "--cycles", str(args.cycles), "--steps", str(args.steps),
+               "--backend", args.backend, "--out", out]
         try:
-            # Both groups alone at the same time (each on its own core), before and
-            # after the pair runs: the mean cancels drift in the machine's load.
-            before = _solo_pair(quotas, common, tmp, 0, timeout)
-            for i, r in enumerate(before):
-                print(f"  solo cpu{i} (before)      {r['steady_samples_per_s']:9.1f} samples/s", flush=True)
-            caps = ",".join(f"{r['steady_samples_per_s']:.3f}" for r in before)
-            for mode, label in [("equal", "equal split"), ("static", "static capability split"),
-                                ("rebalance", "online re-balancing")]:
-                extra = ["--capabilities", caps] if mode == "static" else []
-                results[label] = _run([(pair, ["--worker", mode, *common, *extra],
-                                        os.path.join(tmp, f"{mode}.json"))], timeout)[0]
-                r = results[label]
-                print(f"  {label:<24} {r['steady_samples_per_s']:9.1f} samples/s "
-                      f"(whole run {r['samples_per_s']:.1f}), split {r['final_split']}", flush=True)
-            after = _solo_pair(quotas, common, tmp, 1, timeout)
-            for i, r in enumerate(after):
-                print(f"  solo cpu{i} (after)       {r['steady_samples_per_s']:9.1f} samples/s", flush=True)
-                results[f"solo cpu{i}"] = {
-                    "steady_samples_per_s": (r["steady_samples_per_s"] + before[i]["steady_samples_per_s"]) / 2,
-                    "before": before[i], "after": r,
-                }
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            print(f"kaitian bench hetero: {exc}", file=sys.stderr)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        except subprocess.TimeoutExpired:
+            print("kaitian bench hetero: the benchmark job timed out", file=sys.stderr)
             return 1
-    ideal = results["solo cpu0"]["steady_samples_per_s"] + results["solo cpu1"]["steady_samples_per_s"]
-    equal = results["equal split"]["steady_samples_per_s"]
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(f"kaitian bench hetero: kaitianrun failed ({proc.returncode}):\n"
+                  f"{(proc.stdout + proc.stderr)[-3000:]}", file=sys.stderr)
+            return 1
+        with open(out, encoding="utf-8") as f:
+            result = json.load(f)
+    steady = result["steady"]
+    ideal, equal = steady["solo"], steady["equal"]
+    solo = result["solo_rates_first_cycle"]
+    print(f"solo throughput (first cycle): cpu0 {solo[0]:.1f}, cpu1 {solo[1]:.1f} samples/s "
+          f"(ratio {solo[0] / solo[1]:.2f}:1)")
+    for mode in ("equal", "static", "rebalance"):
+        print(f"  {_LABELS[mode]:<24} per cycle: "
+              + ", ".join(f"{v:.0f}" for v in result["history"][mode])
+              + f"   final split {result['splits'][mode]}")
     rows = [("mode", "samples/s", "% of ideal", "x equal")]
-    for label in ("equal split", "static capability split", "online re-balancing"):
-        v = results[label]["steady_samples_per_s"]
-        rows.append((label, f"{v:.1f}", f"{100 * v / ideal:.1f}", f"{v / equal:.2f}"))
+    for mode in ("equal", "static", "rebalance"):
+        v = steady[mode]
+        rows.append((_LABELS[mode], f"{v:.1f}", f"{100 * v / ideal:.1f}", f"{v / equal:.2f}"))
+    reb_all = result["rebalance_all_cycles"]
+    rows.append(("re-balancing, all cycles", f"{reb_all:.1f}", f"{100 * reb_all / ideal:.1f}",
+                 f"{reb_all / equal:.2f}"))
     rows.append(("ideal (sum of solos)", f"{ideal:.1f}", "100.0", f"{ideal / equal:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     print()
     for r in rows:
         print("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
-    reb = results["online re-balancing"]["steady_samples_per_s"]
+    reb = steady["rebalance"]
     ok = reb >= 0.9 * ideal and reb >= 1.4 * equal
     print(f"\ngoal (re-balancing >= 90 % of ideal and >= 1.4x equal): {'met' if ok else 'NOT met'} "
-          f"({100 * reb / ideal:.1f} % of ideal, {reb / equal:.2f}x equal)")
+          f"({100 * reb / ideal:.1f} % of ideal, {reb / equal:.2f}x equal; steady state, "
+          f"cycles 2..{args.cycles})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"results": results, "ideal": ideal}, f, indent=2)
+            json.dump(result, f, indent=2)
     return 0
 
 
