@@ -365,11 +365,11 @@ def test_node_joins_running_job(tmp_path):
     """
     common = ["--nnodes", "1:2", "--rdzv-backend", "kaitian", "--rdzv-endpoint", "127.0.0.1:29643",
               "--rdzv-id", "grow", "--rdzv-conf", "last_call_timeout=1", "--nproc-auto"]
-    script = [_script("grow.py"), str(tmp_path), "12"]
+    script = [_script("grow.py"), str(tmp_path), "3"]
     first = subprocess.Popen([*_kaitianrun(), *common, "--cpu-slots", "1", "--cpu-groups", "1", *script],
                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(6)  # the first node runs alone for a while
+        time.sleep(6)  # the first node runs alone (in a world of 1, it waits for more)
         assert first.poll() is None, first.stdout.read()[-3000:]
         second = _run([*_kaitianrun(), *common, "--cpu-slots", "2", "--cpu-groups", "2", *script], timeout=180)
         out_first, _ = first.communicate(timeout=60)
@@ -402,3 +402,27 @@ def test_logs_redirects_filter_and_monitor(tmp_path):
     assert envs[0]["KAITIAN_MONITOR_DIR"] == envs[1]["KAITIAN_MONITOR_DIR"] == str(mon)
     assert (mon / "summary.txt").is_file() and (mon / "monitor.png").is_file()
     assert not _leftovers(proc.pid)
+
+
+def test_plain_torchrun_uses_kaitian_rendezvous_entry_point(tmp_path):
+    """`torchrun --rdzv-backend kaitian` through the torchrun.handlers entry point of pyproject.toml.
+
+    A distribution declaring pyproject's entry point is put on the path (as an
+    install does), so torch's own loader imports it while torchrun starts.
+    """
+    text = open(os.path.join(REPO, "pyproject.toml")).read()
+    section = text.split('[project.entry-points."torchrun.handlers"]', 1)[1].strip().splitlines()[0]
+    dist_info = tmp_path / "site" / "kaitian_entry_point-0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: kaitian-entry-point\nVersion: 0\n")
+    name, _, value = (part.strip().strip('"') for part in section.partition("="))
+    (dist_info / "entry_points.txt").write_text(f"[torchrun.handlers]\n{name} = {value}\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _run([*_torchrun(), "--rdzv-backend", "kaitian", "--rdzv-endpoint", "127.0.0.1:29644",
+                 "--nproc-per-node", "2", _script("envdump.py"), str(out)], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Exception while registering out of tree plugin" not in proc.stderr
+    assert sorted(_dumps(str(out))) == [0, 1]

@@ -15,11 +15,31 @@ import sys
 
 # --- torchrun's command line -------------------------------------------------
 from torch.multiprocessing import _set_thread_name as set_thread_name  # noqa: F401
-from torch.distributed.run import (  # noqa: F401
-    config_from_args,
-    get_args_parser,
-    parse_min_max_nnodes,
-)
+
+# torch.distributed.run and torch.distributed.launcher.api are resolved on first
+# use (module __getattr__ below): under plain torchrun this module is imported
+# by the torchrun.handlers entry point while those two are half-initialised.
+_LATE = {
+    "config_from_args": ("torch.distributed.run", "config_from_args"),
+    "get_args_parser": ("torch.distributed.run", "get_args_parser"),
+    "parse_min_max_nnodes": ("torch.distributed.run", "parse_min_max_nnodes"),
+    "LaunchConfig": ("torch.distributed.launcher.api", "LaunchConfig"),
+    "get_addr_and_port": ("torch.distributed.launcher.api", "_get_addr_and_port"),
+    "get_entrypoint_name": ("torch.distributed.launcher.api", "_get_entrypoint_name"),
+}
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attr = _LATE[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
 
 # --- the agent ---------------------------------------------------------------
 from torch.distributed.elastic import events, metrics, timer  # noqa: F401
@@ -39,9 +59,6 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa
 from torch.distributed.elastic.agent.server.health_check_server import (  # noqa: F401
     create_healthcheck_server,
 )
-from torch.distributed.launcher.api import LaunchConfig  # noqa: F401
-from torch.distributed.launcher.api import _get_addr_and_port as get_addr_and_port  # noqa: F401
-from torch.distributed.launcher.api import _get_entrypoint_name as get_entrypoint_name  # noqa: F401
 from torch.distributed.elastic.utils import macros  # noqa: F401
 
 # --- processes, logs, errors -------------------------------------------------
@@ -106,10 +123,10 @@ def get_rendezvous_handler(params: "RendezvousParameters") -> "RendezvousHandler
     return _get(params)
 
 
+# The names in _LATE are attributes too (resolved on first use).
 __all__ = [
     "ChildFailedError",
     "DefaultLogsSpecs",
-    "LaunchConfig",
     "LogsSpecs",
     "PContext",
     "ProcessFailure",
@@ -130,18 +147,13 @@ __all__ = [
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
-    "config_from_args",
     "create_c10d_backend",
     "create_dynamic_handler",
     "create_healthcheck_server",
     "events",
-    "get_addr_and_port",
-    "get_args_parser",
-    "get_entrypoint_name",
     "get_rendezvous_handler",
     "macros",
     "metrics",
-    "parse_min_max_nnodes",
     "record",
     "rendezvous_handler_registry",
     "set_thread_name",

@@ -1,4 +1,8 @@
-"""Allreduces for SECONDS of wall time, then records the world it ran in (membership-change test)."""
+"""Allreduces until the world has TARGET ranks (plus 2 s), then records it (membership-change test).
+
+A world smaller than TARGET keeps going until the agent restarts it into a
+bigger one (at most 180 s, so a broken run cannot hang forever).
+"""
 import json
 import os
 import sys
@@ -7,14 +11,17 @@ import time
 import torch
 import torch.distributed as dist
 
-out, seconds = sys.argv[1], float(sys.argv[2])
+out, target = sys.argv[1], int(sys.argv[2])
 dist.init_process_group("gloo")
 start = time.monotonic()
-t = torch.ones(1)
-while time.monotonic() - start < seconds:
-    dist.all_reduce(t)
-    t.fill_(1)
+world = dist.get_world_size()
+while time.monotonic() - start < 180:
+    done = torch.tensor([1.0 if world >= target and time.monotonic() - start > 2 else 0.0])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    if done.item():
+        break
     time.sleep(0.05)
+t = torch.ones(1)
 dist.all_reduce(t)
 info = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
                                      "KAITIAN_GROUP")}
