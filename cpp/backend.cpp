@@ -106,7 +106,7 @@ KaitianBackend::KaitianBackend(int rank, int size, std::chrono::milliseconds tim
       intraDevice_(std::move(intraDevice)),
       intraCpu_(std::move(intraCpu)),
       bridge_(std::move(bridge)),
-      timeout_(timeout) {
+      timeoutMs_(timeout.count()) {
   TORCH_CHECK(static_cast<int>(layout_.groupOf.size()) == size,
               "kaitian: layout has ", layout_.groupOf.size(), " ranks, world has ", size);
   TORCH_CHECK(size == 1 || bridge_ != nullptr, "kaitian: a bridge is required for world size > 1");
@@ -142,7 +142,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
   std::vector<c10::Device> devices;
   if (sync) devices.push_back(sync->device);
   auto work = c10::make_intrusive<KaitianWork>(getRank(), type, name, devices);
-  const auto limit = timeout.count() > 0 ? timeout : timeout_;
+  const auto limit =
+      timeout.count() > 0 ? timeout : std::chrono::milliseconds(timeoutMs_.load());
   ++seq_;
   std::string opName(name);
   queue.push(OpQueue::Task{
@@ -175,7 +176,15 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
 bool KaitianBackend::groupUsesVendor(int group, at::ScalarType dtype) const {
   if (layout_.groupDevice[group] != "cpu") return true;  // device groups: always the vendor
   if (layout_.flatIntra) return false;                   // kaitian's own shm intra path
-  return dtype != at::kBool;                             // gloo has no logical reductions
+  // What gloo reduces (its type switch has no int16 and no bool); anything else
+  // takes the shm path, decided from the dtype alone so every rank agrees.
+  switch (dtype) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+    case at::kChar: case at::kByte: case at::kInt: case at::kLong:
+      return true;
+    default:
+      return false;
+  }
 }
 
 void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<Range> stripes,

@@ -28,7 +28,7 @@ class KaitianBackend : public c10d::Backend {
   ~KaitianBackend() override;
 
   const std::string getBackendName() const override { return "kaitian"; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_ = timeout.count(); }
   void shutdown() override;
   void abort() override { shutdown(); }
   void setSequenceNumberForGroup() override { seq_ = 0; }
@@ -109,7 +109,7 @@ class KaitianBackend : public c10d::Backend {
   Layout layout_;
   c10::intrusive_ptr<c10d::Backend> intraDevice_, intraCpu_;
   std::unique_ptr<Bridge> bridge_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> timeoutMs_;  // the group timeout; set_timeout() may change it
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> seq_{0};
   std::mutex shutdownMu_;

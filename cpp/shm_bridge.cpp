@@ -16,7 +16,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include <cerrno>
+#include <cstdlib>
 #include <climits>
 #include <cstring>
 #include <fstream>
@@ -34,6 +37,9 @@ namespace kaitian {
 namespace {
 constexpr uint64_t kMagic = 0x314e414954494b41ULL;  // "AKITIAN1"
 constexpr int64_t kMsgHeader = 64;
+// Chunk slots per segment: round t uses slot t % kSlots, so a fast rank can run
+// up to kSlots - 1 rounds ahead of the slowest reader.
+constexpr int64_t kSlots = 4;
 
 struct alignas(64) Counter {
   std::atomic<uint64_t> v;
@@ -95,8 +101,9 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
   const int64_t headerBytes =
       sizeof(ShmSegmentHeader) + 2 * static_cast<int64_t>(size) * sizeof(Counter);
   dataOff_ = alignUp(headerBytes, 4096);
-  segBytes_ = dataOff_ + 4 * chunk_ + static_cast<int64_t>(size) * (kMsgHeader + mailbox_);
+  segBytes_ = dataOff_ + kSlots * 2 * chunk_ + static_cast<int64_t>(size) * (kMsgHeader + mailbox_);
   myName_ = name;
+  if (const char* spin = std::getenv("KAITIAN_SPIN_US")) spinMicros_ = std::atoll(spin);
   TORCH_CHECK(!myName_.empty() && myName_[0] == '/' && myName_.find('/', 1) == std::string::npos,
               "kaitian: bad shared memory name ", myName_);
 
@@ -191,13 +198,13 @@ std::vector<std::pair<uintptr_t, int64_t>> ShmBridge::regions() const {
 }
 
 uint8_t* ShmBridge::inArea(int r, uint64_t round) const {
-  return peers_[r].base + dataOff_ + (round & 1) * 2 * chunk_;
+  return peers_[r].base + dataOff_ + (round % kSlots) * 2 * chunk_;
 }
 uint8_t* ShmBridge::outArea(int r, uint64_t round) const {
   return inArea(r, round) + chunk_;
 }
 uint8_t* ShmBridge::mailbox(int owner, int dst) const {
-  return peers_[owner].base + dataOff_ + 4 * chunk_ + dst * (kMsgHeader + mailbox_);
+  return peers_[owner].base + dataOff_ + kSlots * 2 * chunk_ + dst * (kMsgHeader + mailbox_);
 }
 std::atomic<uint64_t>& ShmBridge::p2pSent(int owner, int dst) const {
   auto* c = reinterpret_cast<Counter*>(peers_[owner].hdr + 1);
@@ -230,11 +237,14 @@ void ShmBridge::waitAtLeast(int peer, const std::atomic<uint64_t>& ctr, uint64_t
   if (ctr.load(std::memory_order_acquire) >= target) return;
   TORCH_CHECK(peers_[peer].hdr != nullptr, "kaitian ", dl.what, ": the bridge is closed");
   // Short spin: a peer in the same collective usually arrives within microseconds.
-  const auto spinUntil = Clock::now() + std::chrono::microseconds(30);
+  const auto spinUntil = Clock::now() + std::chrono::microseconds(spinMicros_);
   for (int i = 0;; ++i) {
     if (ctr.load(std::memory_order_acquire) >= target) return;
     KAITIAN_CPU_RELAX();
-    if ((i & 127) == 127 && Clock::now() >= spinUntil) break;
+    if ((i & 127) == 127) {
+      if (Clock::now() >= spinUntil) break;
+      if ((i & 4095) == 4095) sched_yield();  // let a descheduled peer run
+    }
   }
   auto& ev = peers_[peer].hdr->ev;
   auto lastAliveCheck = Clock::now();
@@ -260,9 +270,11 @@ void ShmBridge::waitAtLeast(int peer, const std::atomic<uint64_t>& ctr, uint64_t
 
 uint64_t ShmBridge::beginRound(const Deadline& dl) {
   const uint64_t t = round_;
-  if (t >= 2) {
+  if (t >= static_cast<uint64_t>(kSlots)) {
     for (int s = 0; s < size_; ++s) {
-      if (s != rank_) waitAtLeast(s, peers_[s].hdr->gathered.v, t - 1, dl, "previous round");
+      if (s != rank_) {
+        waitAtLeast(s, peers_[s].hdr->gathered.v, t - kSlots + 1, dl, "previous round");
+      }
     }
   }
   return t;
@@ -304,6 +316,19 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
   const Range mine = spec.stripes[rank_];
   auto* hdr = peers_[rank_].hdr;
   std::vector<const void*> srcs;
+  auto gatherChunk = [&](const Range& chunk, uint64_t t) {
+    if (!spec.gather) return;
+    for (int s = 0; s < size_; ++s) {
+      if (s == rank_) continue;
+      const Range r = spec.stripes[s].intersect(chunk);
+      if (r.size() == 0) continue;
+      waitAtLeast(s, peers_[s].hdr->reduced.v, t + 1, dl, "reduced stripe");
+      std::memcpy(base + r.begin * es, outArea(s, t) + (r.begin - chunk.begin) * es, r.size() * es);
+    }
+  };
+  bool havePrev = false;
+  Range prevChunk;
+  uint64_t prevRound = 0;
   for (int64_t c0 = 0; c0 < n; c0 += ce) {
     const Range chunk{c0, std::min(n, c0 + ce)};
     const uint64_t t = beginRound(dl);
@@ -337,17 +362,20 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
     }
     hdr->reduced.v.store(t + 1, std::memory_order_release);
     signal();
-    // 3. Collect the other stripes' results.
-    if (spec.gather) {
-      for (int s = 0; s < size_; ++s) {
-        if (s == rank_) continue;
-        const Range r = spec.stripes[s].intersect(chunk);
-        if (r.size() == 0) continue;
-        waitAtLeast(s, peers_[s].hdr->reduced.v, t + 1, dl, "reduced stripe");
-        std::memcpy(base + r.begin * es, outArea(s, t) + (r.begin - c0) * es, r.size() * es);
-      }
+    // 3. Collect the previous chunk's results: one round of slack for the peers.
+    if (havePrev) {
+      gatherChunk(prevChunk, prevRound);
+      hdr->gathered.v.store(t, std::memory_order_release);  // rounds < t are done
+      signal();
     }
-    endRound(t);
+    havePrev = true;
+    prevChunk = chunk;
+    prevRound = t;
+    round_ = t + 1;
+  }
+  if (havePrev) {
+    gatherChunk(prevChunk, prevRound);
+    endRound(prevRound);
   }
 }
 

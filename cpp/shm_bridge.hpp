@@ -56,7 +56,8 @@ class ShmBridge : public Bridge {
   std::vector<Peer> peers_;
   std::string myName_;
   bool unlinked_ = false;
-  uint64_t round_ = 0;  // collective rounds done; identical on every rank
+  uint64_t round_ = 0;
+  int64_t spinMicros_ = 50;  // spin before sleeping on a futex (KAITIAN_SPIN_US)  // collective rounds done; identical on every rank
   const std::atomic<bool>* stop_;
 };
 

@@ -5,6 +5,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -35,6 +36,7 @@ class KaitianWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_;
   int sourceRank_ = -1;
+  std::atomic<bool> done_{false};  // lets wait() spin briefly before sleeping
 };
 
 // A FIFO of tasks run by one named thread. `stop()` fails what is still queued.
@@ -55,6 +57,7 @@ class OpQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> tasks_;
+  std::atomic<size_t> queued_{0};  // lets the idle thread spin briefly before sleeping
   bool stopping_ = false;
   std::thread thread_;
 };
