@@ -10,12 +10,22 @@ import re
 import subprocess
 import sys
 
+from kaitian.capability import write_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # a `kaitian init` config: kaitianrun hands each rank its KAITIAN_CAPABILITY,
+    # and the sampler starts from the 3:1 capability split
+    config = tmp_path / "config.toml"
+    write_config({"version": 1, "devices": {
+        "cpu:0": {"vendor": "cpu", "index": 0, "name": "slot 0", "capability": 3000.0},
+        "cpu:1": {"vendor": "cpu", "index": 1, "name": "slot 1", "capability": 1000.0},
+    }}, str(config))
+    env["KAITIAN_CONFIG"] = str(config)
     monitor = tmp_path / "monitor"
     cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--nproc-auto", "--cpu-slots", "2",
            "--cpu-groups", "2", "--cpu-quota", "1,0.33", "--monitor", str(monitor),
@@ -27,6 +37,7 @@ def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
     epochs = re.findall(r"epoch +(\d+) .*cpu0: batch +(\d+) .*cpu1: batch +(\d+) .*total +(\d+) samples/s", out)
     assert len(epochs) == 12, out[-3000:]
     assert all(int(a) + int(b) == 128 for _, a, b, _ in epochs)  # global batch kept
+    assert epochs[0][1:3] == ("96", "32")  # the capability split from the config
     accuracy = float(re.search(r"final test accuracy: ([\d.]+)", out).group(1))
     assert accuracy >= 0.95
     assert (monitor / "monitor.png").stat().st_size > 1000
