@@ -256,6 +256,7 @@ class DistributedSampler(Sampler[int]):
         self._split = proportional_split(self.global_batch_size, self.capabilities)
         self._pending: Optional[_Pending] = None
         self._draws = 0  # batches handed out by batch_sampler(), over all epochs
+        self._batch_mode = False  # batch_sampler() was asked for
         self._listeners: List = []
         self._epoch_hooks: List = []
         _LAST_SAMPLER = self
@@ -392,7 +393,16 @@ class DistributedSampler(Sampler[int]):
         return self._take(perm, start, sizes[self.rank])
 
     def __iter__(self) -> Iterator[int]:
+        before = list(self._split)
         self._apply_pending(at_epoch_start=True)
+        if self._split != before and not self._batch_mode:
+            # A DataLoader(batch_size=...) keeps the old size: ranks would then
+            # run different numbers of steps and the job would hang.
+            _log.warning(
+                "rank %d: the split changed to %s; a DataLoader built with "
+                "batch_size=%d must be rebuilt (or use batch_sampler=sampler.batch_sampler())",
+                self.rank, self._split, before[self.rank],
+            )
         perm = self._permutation()
         full, rest = self._layout()
         split = list(self._split)
@@ -414,6 +424,7 @@ class DistributedSampler(Sampler[int]):
 
     def batch_sampler(self) -> "_BatchSampler":
         """A batch sampler for ``DataLoader(ds, batch_sampler=...)`` that follows the split."""
+        self._batch_mode = True
         return _BatchSampler(self)
 
     def set_epoch(self, epoch: int) -> None:
