@@ -24,11 +24,14 @@ const char* reduceOpName(Op::RedOpType op) {
 }
 
 void checkReduceSupported(const char* opName, Op::RedOpType op, at::ScalarType dtype) {
-  const bool floating = at::isFloatingType(dtype);
-  const bool integral = at::isIntegralType(dtype, /*includeBool=*/false);
+  const bool floating = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                        dtype == at::kBFloat16;
+  const bool integral = dtype == at::kChar || dtype == at::kShort || dtype == at::kInt ||
+                        dtype == at::kLong || dtype == at::kByte;
   const bool boolean = dtype == at::kBool;
-  TORCH_CHECK(floating || integral || boolean, "kaitian ", opName, ": dtype ", dtype,
-              " is not supported (use float16/32/64, bfloat16, int8/16/32/64, uint8 or bool)");
+  TORCH_CHECK(floating || integral || boolean, "kaitian ", opName, ": reducing dtype ", dtype,
+              " is not supported (use float16/32/64, bfloat16, int8/16/32/64, uint8 or bool; "
+              "for complex tensors reduce torch.view_as_real(t))");
   switch (op) {
     case Op::SUM: case Op::PRODUCT: case Op::MIN: case Op::MAX:
       return;

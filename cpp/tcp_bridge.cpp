@@ -63,7 +63,8 @@ void ioAll(int fd, uint8_t* p, int64_t n, bool isSend, int peer, const Deadline&
     }
     if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       C10_THROW_ERROR(DistBackendError, "kaitian " + dl.what + ": connection to rank " +
-                                            std::to_string(peer) + " failed: " + errnoText());
+                                            std::to_string(peer) + " failed: " + errnoText() +
+                                            " (it exited or crashed?)");
     }
     struct pollfd pfd{fd, static_cast<short>(isSend ? POLLOUT : POLLIN), 0};
     ::poll(&pfd, 1, pollTimeoutMs(dl));
@@ -212,7 +213,8 @@ void TcpBridge::transfer(const std::vector<Transfer>& sends, const std::vector<T
           if (k < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
             C10_THROW_ERROR(DistBackendError, "kaitian " + dl.what + ": receiving from rank " +
-                                                  std::to_string(p) + " failed: " + errnoText());
+                                                  std::to_string(p) + " failed: " + errnoText() +
+                                                  " (it exited or crashed?)");
           }
           t.ptr += k;
           t.bytes -= k;

@@ -39,6 +39,10 @@ def test_layout_rejects_mixed_device_types_and_sees_hosts():
     with pytest.raises(L.LayoutError, match="mixes device types"):
         L.build_layout([_info(0, "g"), _info(1, "g", "cuda")])
     assert not L.build_layout([_info(0, "a", host="x"), _info(1, "b", host="y")]).single_host
+    # Two agents on one host, each with its own run dir: two nodes (TCP bridge).
+    two_agents = [L.RankInfo(0, "a", "cpu", 0, "h", 1, 1, run_dir="/r/agent1"),
+                  L.RankInfo(1, "b", "cpu", 0, "h", 2, 1, run_dir="/r/agent2")]
+    assert not L.build_layout(two_agents).single_host
 
 
 def _dead_pid() -> int:
@@ -133,7 +137,8 @@ def test_plain_torchrun_without_kaitian_variables(tmp_path):
         x = torch.full((1 << 20,), float(dist.get_rank() + 1))
         dist.all_reduce(x)
         assert bool(x.eq(3).all())
-        print("RANK", dist.get_rank(), b.group_names(), b.bridge_kind(), flush=True)
+        line = f"RANK {dist.get_rank()} {b.group_names()} {b.bridge_kind()}\n"
+        os.write(1, line.encode())  # one write: the ranks share stdout
         dist.destroy_process_group()
     """))
     tmp = tmp_path / "tmp"

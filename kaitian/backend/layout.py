@@ -38,6 +38,13 @@ class RankInfo:
     bridge: str = "auto"
     intra: str = "auto"
     chunk_bytes: int = 1 << 20
+    run_dir: str = ""
+
+    @property
+    def node(self) -> tuple:
+        """Which ranks can meet through shared memory: same host and same run
+        directory (two kaitianrun agents on one host are two nodes)."""
+        return (self.host, self.run_dir)
 
 
 @dataclass
@@ -49,7 +56,8 @@ class Layout:
         group_device: device type of each group.
         group_of: per rank, the index of its group.
         members: per group, its ranks in ascending order (= group-rank order).
-        single_host: whether every rank runs on the same host.
+        single_host: whether every rank runs on the same node (host and run
+            directory), so that the shared-memory bridge can connect them.
     """
 
     group_names: List[str]
@@ -95,6 +103,7 @@ def local_rank_info(rank: int, s: Settings) -> RankInfo:
         bridge=s.bridge,
         intra=s.intra,
         chunk_bytes=s.chunk_bytes,
+        run_dir=os.path.realpath(s.run_dir) if s.run_dir else "",
     )
 
 
@@ -131,5 +140,5 @@ def build_layout(infos: List[RankInfo]) -> Layout:
         group_device=[devices[n] for n in names],
         group_of=group_of,
         members=members,
-        single_host=len({i.host for i in infos}) == 1,
+        single_host=len({i.node for i in infos}) == 1,
     )
