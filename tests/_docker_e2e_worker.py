@@ -26,12 +26,13 @@ def record(name, data):
 
 
 def container_id():
-    """The docker container this process runs in ('' on the host), from its cgroup."""
+    """The docker container this process runs in ('' on the host): the last part
+    of its cgroup path when that is a 64-hex container id."""
     with open("/proc/self/cgroup") as f:
         for line in f:
-            parts = line.strip().split("/")
-            if "docker" in parts:
-                return parts[parts.index("docker") + 1]
+            last = line.strip().rsplit("/", 1)[-1]
+            if len(last) == 64 and all(c in "0123456789abcdef" for c in last):
+                return last
     return ""
 
 

@@ -97,6 +97,10 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     assert kw["privileged"] is False and kw["init"] is True
     assert kw["command"] == ["sleep", "infinity"]
     assert "device_requests" not in kw and kw["devices"] == []
+    assert kw["cpu_shares"] == 2048  # two workers weigh as two local processes
+    assert "cgroup_parent" not in kw
+    nested = _plan(workers, cgroup_parent="/")
+    assert nested.create_kwargs()["cgroup_parent"] == "/" and nested.spec != plan.spec
     labels = kw["labels"]
     assert labels[LABEL_RUN_ID] == "run-1" and labels[LABEL_VENDOR] == "cpu"
     assert labels[LABEL_GROUP] == "cpu0" and labels[LABEL_AGENT_PID] == "4242"

@@ -94,6 +94,14 @@ def _two_groups(quota=None):
     }
 
 
+def _cpu_cgroup(proc_cgroup: str) -> str:
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    return ""
+
+
 def _read(out, name, rank):
     with open(out / f"{name}.{rank}.json") as f:
         return json.load(f)
@@ -129,6 +137,7 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert hc["Privileged"] is False and hc["Init"] is True
         assert hc["ShmSize"] == 256 * 2**20
         assert hc["CpusetCpus"] == group[-1]  # slot cpu0 -> core 0, cpu1 -> core 1
+        assert hc["CpuShares"] == 1024  # one worker each
         mounts = {m["Destination"]: m for m in c.attrs["Mounts"]}
         assert str(tmp_path) in mounts or os.path.dirname(str(tmp_path)) in mounts
     assert containers["cpu1"].attrs["HostConfig"]["CpuQuota"] == 50_000
@@ -146,6 +155,11 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert info["affinity"] == [rank]
         assert info["hostname_ns"] == own_ns["net"] and info["ipc_ns"] == own_ns["ipc"]
         assert info["mnt_ns"] != own_ns["mnt"]  # really inside a container
+        assert containers[f"cpu{rank}"].id in _cpu_cgroup(info["cgroup"])
+        if engine().info().get("CgroupDriver") == "cgroupfs" and str(engine().info().get("CgroupVersion")) == "1":
+            # created in the agent's cgroup, so it competes for CPU as local workers do
+            mine = _cpu_cgroup(open("/proc/self/cgroup").read())
+            assert _cpu_cgroup(info["cgroup"]) == os.path.join(mine, containers[f"cpu{rank}"].id)
         assert host_pids[rank] > 0 and host_pids[rank] != info["pid"]
         assert f"hello from rank {rank}" in open(pc.stdouts[rank]).read()
         assert f"warning from rank {rank}" in open(pc.stderrs[rank]).read()

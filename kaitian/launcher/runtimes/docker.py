@@ -236,6 +236,7 @@ class DockerRuntime(Runtime):
         self._agent = agent_identity()
         self._containers: Dict[str, str] = {}  # group -> container id, this run's
         self._image_info: Dict[str, Tuple[Tuple[Mount, ...], str]] = {}
+        self._parent_cgroup: Optional[str] = None
 
     @property
     def client(self) -> object:
@@ -358,6 +359,27 @@ class DockerRuntime(Runtime):
         self._image_info[ref] = info
         return info
 
+    def _cgroup_parent(self) -> Optional[str]:
+        """The agent's own cgroup, if containers can be created in it.
+
+        Only with the ``cgroupfs`` driver on cgroup v1: the systemd driver wants
+        a slice, and cgroup v2 forbids child groups next to processes.
+        """
+        if self._parent_cgroup is None:
+            self._parent_cgroup = ""
+            try:
+                info = self.client.info()
+                if info.get("CgroupDriver") == "cgroupfs" and str(info.get("CgroupVersion", "1")) == "1":
+                    with open("/proc/self/cgroup") as f:
+                        for line in f:
+                            _, controllers, path = line.rstrip("\n").split(":", 2)
+                            if "cpu" in controllers.split(","):
+                                self._parent_cgroup = path
+                                break
+            except Exception:  # noqa: BLE001 (keep the engine's default)
+                self._parent_cgroup = ""
+        return self._parent_cgroup or None
+
     @staticmethod
     def _mount_dir(path: str) -> str:
         """The directory mounted for a run or log directory: its parent, so kept
@@ -421,6 +443,7 @@ class DockerRuntime(Runtime):
                 agent=self._agent,
                 image_mounts=mounts,
                 device_nodes=device_nodes,
+                cgroup_parent=self._cgroup_parent(),
             )
             pythons[group] = python
         for group, plan in plans.items():

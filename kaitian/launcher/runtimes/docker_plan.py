@@ -172,6 +172,10 @@ class ContainerPlan:
         gpu_ids: host GPU indices passed as an NVIDIA device request.
         cpuset: ``cpuset-cpus`` of the container (``None``: all cores).
         cpu_quota: CPU time the container may use, in cores (``None``: no limit).
+        cpu_shares: CPU weight: 1024 per worker, so under contention the
+            group's workers weigh what as many local processes would.
+        cgroup_parent: cgroup to create the container's cgroup in (``None``:
+            the engine's default); see ``plan_container``.
         shm_size: ``--shm-size``.
         index_map: host device index -> index seen inside the container.
         spec: hash of everything above that shapes the container, so a
@@ -188,6 +192,8 @@ class ContainerPlan:
     gpu_ids: Tuple[str, ...] = ()
     cpuset: Optional[str] = None
     cpu_quota: Optional[float] = None
+    cpu_shares: int = 1024
+    cgroup_parent: Optional[str] = None
     shm_size: str = "2g"
     index_map: Mapping[int, int] = field(default_factory=dict)
     spec: str = ""
@@ -220,6 +226,9 @@ class ContainerPlan:
             ]
         if self.cpuset:
             kwargs["cpuset_cpus"] = self.cpuset
+        kwargs["cpu_shares"] = self.cpu_shares
+        if self.cgroup_parent:
+            kwargs["cgroup_parent"] = self.cgroup_parent
         if self.cpu_quota is not None:
             kwargs["cpu_period"] = self.CPU_PERIOD_US
             kwargs["cpu_quota"] = max(1000, int(round(self.cpu_quota * self.CPU_PERIOD_US)))
@@ -383,6 +392,7 @@ def plan_container(
     agent: AgentIdentity,
     image_mounts: Iterable[Mount] = (),
     device_nodes: Iterable[str] = (),
+    cgroup_parent: Optional[str] = None,
 ) -> ContainerPlan:
     """Plans the container of one group.
 
@@ -398,6 +408,12 @@ def plan_container(
         agent: the owning agent.
         image_mounts: host paths the image asks for (``org.kaitian.host-mounts``).
         device_nodes: device nodes present on this host (``/dev/...``).
+        cgroup_parent: where the container's cgroup goes. By default the engine
+            nests every container under one cgroup (``/docker``) that weighs as
+            much as a single process, so on a busy host containerised workers
+            get a fraction of the CPU local workers get; the runtime passes the
+            agent's own cgroup where the engine allows it, so they compete as
+            local workers do.
 
     Returns:
         The container plan.
@@ -451,6 +467,7 @@ def plan_container(
         "cpuset": cpuset,
         "cpu_quota": cpu_quota,
         "shm": options.shm_size,
+        "cgroup_parent": cgroup_parent,
     }
     spec = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
     labels = {
@@ -482,6 +499,8 @@ def plan_container(
         cpuset=cpuset,
         cpu_quota=cpu_quota,
         shm_size=options.shm_size,
+        cpu_shares=1024 * max(1, len(workers)),
+        cgroup_parent=cgroup_parent,
         index_map=index_map,
         spec=spec,
     )
