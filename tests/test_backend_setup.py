@@ -137,7 +137,7 @@ def test_plain_torchrun_without_kaitian_variables(tmp_path):
         x = torch.full((1 << 20,), float(dist.get_rank() + 1))
         dist.all_reduce(x)
         assert bool(x.eq(3).all())
-        line = f"RANK {dist.get_rank()} {b.group_names()} {b.bridge_kind()}\n"
+        line = f"RANK {dist.get_rank()} {b.group_names()} {b.bridge_kind()}\\n"
         os.write(1, line.encode())  # one write: the ranks share stdout
         dist.destroy_process_group()
     """))
