@@ -249,3 +249,13 @@ def test_cuda_discovery_from_nvidia_smi(tmp_path, monkeypatch):
     assert [(d.key, d.bus_id) for d in cuda] == [("cuda:0", "00000000:3b:00.0")]
     table = format_table(cuda)
     assert "79.6 GiB" in table and "PCIe5 x16" in table
+
+
+def test_quota_mode_without_cgroups(tmp_path, monkeypatch):
+    from kaitian.launcher.runtimes import cpu_limits
+
+    monkeypatch.setattr(cpu_limits, "_CGROUP_CPU", str(tmp_path / "no-cgroup-here"))
+    assert not cpu_limits.cgroups_writable()
+    assert cpu_limits.quota_mode("auto") == "signal"
+    with pytest.raises(cpu_limits.QuotaUnavailableError, match="not writable"):
+        cpu_limits.quota_mode("cgroup")

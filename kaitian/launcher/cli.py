@@ -24,7 +24,8 @@ from kaitian.launcher.logs import build_logs_specs
 from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers
 from kaitian.launcher.rundir import RunDir, collect_stale
 from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, runtime_class
-from kaitian.settings import SettingError
+from kaitian.launcher.runtimes.cpu_limits import quota_mode
+from kaitian.settings import SettingError, settings
 
 __all__ = ["build_parser", "main", "run_alias", "UsageError"]
 
@@ -201,6 +202,8 @@ def run(args: argparse.Namespace) -> None:
     if plans is None:
         plans = plan_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
 
+    if args.runtime == "local" and any(p.cpu_quota is not None for p in plans):
+        quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
     images = _images(args.image)
     collect_stale()
     stale = runtime_class(args.runtime).collect_stale()

@@ -20,7 +20,16 @@ import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["pin", "CgroupQuota", "DutyCycle", "cgroup_root", "cgroups_writable", "collect_stale_cgroups"]
+__all__ = [
+    "pin",
+    "CgroupQuota",
+    "DutyCycle",
+    "QuotaUnavailableError",
+    "cgroup_root",
+    "cgroups_writable",
+    "collect_stale_cgroups",
+    "quota_mode",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +74,26 @@ def cgroups_writable() -> bool:
     except OSError:
         return False
     return os.access(cgroup_root(), os.W_OK)
+
+
+class QuotaUnavailableError(PermissionError):
+    """The requested way of enforcing ``--cpu-quota`` is not available here."""
+
+
+def quota_mode(wanted: str) -> str:
+    """Resolves ``KAITIAN_CPU_QUOTA_MODE`` (``auto``, ``cgroup``, ``signal``) to ``cgroup`` or ``signal``.
+
+    Raises:
+        QuotaUnavailableError: ``cgroup`` was asked for but cannot be written.
+    """
+    if wanted == "auto":
+        return "cgroup" if cgroups_writable() else "signal"
+    if wanted == "cgroup" and not cgroups_writable():
+        raise QuotaUnavailableError(
+            "KAITIAN_CPU_QUOTA_MODE=cgroup but /sys/fs/cgroup/cpu is not writable; "
+            "run as root with cgroup v1 or use KAITIAN_CPU_QUOTA_MODE=signal"
+        )
+    return wanted
 
 
 def _write(path: str, value: object) -> None:

@@ -16,9 +16,9 @@ from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
 from kaitian.launcher.runtimes.cpu_limits import (
     CgroupQuota,
     DutyCycle,
-    cgroups_writable,
     collect_stale_cgroups,
     pin,
+    quota_mode,
 )
 from kaitian.settings import settings
 
@@ -45,15 +45,7 @@ class LocalRuntime(Runtime):
 
     def _quota_mode(self) -> str:
         if self._mode is None:
-            wanted = settings().cpu_quota_mode
-            if wanted == "auto":
-                wanted = "cgroup" if cgroups_writable() else "signal"
-            elif wanted == "cgroup" and not cgroups_writable():
-                raise PermissionError(
-                    "KAITIAN_CPU_QUOTA_MODE=cgroup but /sys/fs/cgroup/cpu is not writable; "
-                    "run as root with cgroup v1 or use KAITIAN_CPU_QUOTA_MODE=signal"
-                )
-            self._mode = wanted
+            self._mode = quota_mode(settings().cpu_quota_mode)
         return self._mode
 
     def start(
