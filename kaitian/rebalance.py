@@ -2,9 +2,11 @@
 
 The static split comes from ``kaitian init``'s benchmark, which may not match
 the real model (or the machine may be busy). :class:`Rebalancer` watches each
-rank's measured *compute time per sample* (forward + backward, excluding time
-waiting in collectives: see :mod:`kaitian.parallel`), smooths it with an
-exponential moving average, and, between epochs (or every ``every`` steps),
+rank's measured *time per sample*: by default its busy time per step (the step
+minus the time it waited for the gradient allreduce: forward, backward,
+optimizer, data), or forward + backward only (``measure="compute"``); never the
+time spent waiting in collectives (see :mod:`kaitian.parallel`). It smooths it
+with an exponential moving average, and, between epochs (or every ``every`` steps),
 splits the global batch in proportion to each rank's speed, capped by each
 rank's maximum batch. All ranks exchange their measurements through the
 process group and compute the same new split from bit-identical inputs.
@@ -106,7 +108,12 @@ class Rebalancer:
         min_gain: change the split only if the slowest rank's predicted compute
             time drops by more than this fraction.
         warmup_steps: steps ignored after each split change (allocator and
-            cache warm-up distort them).
+            cache warm-up distort them) and at the start of each epoch.
+        measure: ``"busy"`` (default): a rank's time per step minus the time
+            it waited for the gradient allreduce - forward, backward,
+            optimizer and data loading, the rank's whole share of the step;
+            ``"compute"``: forward + backward only (first forward until the
+            last gradient bucket is ready).
         group: the process group (default: the model's).
 
     Raises:
@@ -123,6 +130,7 @@ class Rebalancer:
         max_batch_size: Optional[Union[int, Sequence[Optional[int]]]] = None,
         min_gain: float = 0.03,
         warmup_steps: int = 1,
+        measure: str = "busy",
         group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         from kaitian.parallel import DistributedDataParallel
@@ -134,6 +142,8 @@ class Rebalancer:
             )
         if every is not None and int(every) < 1:
             raise ValueError(f"every must be a positive number of steps, got {every}")
+        if measure not in ("busy", "compute"):
+            raise ValueError(f"measure must be 'busy' or 'compute', got {measure!r}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.sampler = sampler
@@ -142,6 +152,7 @@ class Rebalancer:
         self.smoothing = float(smoothing)
         self.min_gain = float(min_gain)
         self.warmup_steps = int(warmup_steps)
+        self.measure = measure
         self.group = group if group is not None else model.process_group
         self.world = sampler.num_replicas
         self._own_cap, self._caps = self._parse_caps(max_batch_size)
@@ -180,8 +191,9 @@ class Rebalancer:
         if self._skip > 0:
             self._skip -= 1
             return
-        if timing.samples > 0 and timing.compute_s > 0:
-            self._window_compute += timing.compute_s
+        spent = timing.compute_s if self.measure == "compute" else timing.step_s - timing.comm_s
+        if timing.samples > 0 and spent > 0:
+            self._window_compute += spent
             self._window_samples += timing.samples
 
     def _on_split_change(self, old, new) -> None:
@@ -199,10 +211,13 @@ class Rebalancer:
     def _on_epoch(self, epoch: int) -> None:
         if self._step > 0:
             self.rebalance(after_draws=None)
+        # The first step of an epoch also times what ran between epochs.
+        self._skip = max(self._skip, self.warmup_steps)
 
     def _on_before_step(self, step: int) -> None:
         if step > 0 and step % self.every == 0:
             self.rebalance(after_draws=0)
+            self._skip = max(self._skip, 1)  # this step's time includes the round
 
     # -- the round --------------------------------------------------------------------
 
