@@ -791,7 +791,8 @@ def _run(args: argparse.Namespace) -> int:
     w = args.world_size
     cross = sorted({0, w - 1})
     same = [r for r in range(w) if groups[r] == groups[0]]
-    ctx.subgroups = {"cross": dist.new_group(cross), "same": dist.new_group(same)}
+    # one subgroup names the backend explicitly, the other inherits the default
+    ctx.subgroups = {"cross": dist.new_group(cross, backend=args.backend), "same": dist.new_group(same)}
     ctx.ref_subgroups = {"cross": dist.new_group(cross, backend="gloo", timeout=ref_timeout),
                          "same": dist.new_group(same, backend="gloo", timeout=ref_timeout)}
     cases = [c for c in build_cases(w) if c.core or not args.core_only]
