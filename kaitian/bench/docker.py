@@ -8,8 +8,8 @@ and ``--runtime docker`` and prints, per runtime, the median over ``--runs``:
   has finished its first allreduce. The docker runs use ``--keep-containers``
   after one warm-up run, i.e. containers already created (the issue's case);
   the cold start (creating the containers) is printed too.
-- allreduce bus bandwidth (nccl-tests formula ``2(n-1)/n * bytes / time``) of
-  a ``--size-mb`` tensor between workers in separate containers vs separate
+- allreduce bus bandwidth (nccl-tests formula ``2(n-1)/n * bytes / time``,
+  best of three windows of ``--iters`` calls, slowest rank) of a ``--size-mb`` tensor between workers in separate containers vs separate
   local processes.
 - the runtime's own start cost: asking for workers until a trivial program runs
   in each, ``start_processes`` vs ``docker exec`` into created containers
@@ -54,11 +54,15 @@ _WORKER = textwrap.dedent(
     x = torch.ones(size_mb * (1 << 20) // 4)
     for _ in range(3):
         dist.all_reduce(x)
-    dist.barrier()
-    began = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(x)
-    took = (time.perf_counter() - began) / iters
+    # Best of three windows: the host is shared, and a window that another
+    # process preempted says nothing about the transport.
+    took = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        took = min(took, (time.perf_counter() - began) / iters)
     # The slowest rank's time is the collective's time.
     slow = torch.tensor([took, first], dtype=torch.float64)
     dist.all_reduce(slow, op=dist.ReduceOp.MAX)
@@ -96,7 +100,9 @@ def _one(runtime: str, args: argparse.Namespace, workdir: str, keep: bool) -> Di
     began = time.time()
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not os.path.exists(out):
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        lines = proc.stderr.strip().splitlines()
+        errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line][:3]
+        tail = "\n".join(errors + lines[-8:])
         raise RuntimeError(f"kaitianrun --runtime {runtime} failed (exit {proc.returncode}):\n{tail}")
     with open(out) as f:
         result = json.load(f)
@@ -205,7 +211,7 @@ def _report(med: Dict[str, Dict[str, float]], args: argparse.Namespace) -> str:
     ratio = docker["busbw"] / local["busbw"]
     lines = [
         f"kaitian bench docker: {args.nproc} workers in {args.groups} CPU groups, backend {args.backend}, "
-        f"{args.size_mb} MiB allreduce x {args.iters}, median of {args.runs} runs",
+        f"{args.size_mb} MiB allreduce, best of 3 x {args.iters}, median of {args.runs} runs",
         f"{'':28}{'local':>12}{'docker':>12}{'docker vs local':>20}   goal",
         f"{'launch -> first collective':28}{local['launch']:>10.2f} s{docker['launch']:>10.2f} s"
         f"{extra:>+18.2f} s   <= +2 s  {'met' if extra <= 2 else 'MISSED'}",
