@@ -46,12 +46,6 @@ void writeBack(at::Tensor& t, const at::Tensor& h) {
   syncDevice(t.device());
 }
 
-std::vector<Range> evenStripes(int64_t n, int world) {
-  std::vector<Range> s(world);
-  for (int r = 0; r < world; ++r) s[r] = evenPart(n, world, r);
-  return s;
-}
-
 // Orders the progress thread's device work after what the caller queued so far.
 struct DeviceSync {
   DeviceSync(c10::Device d, c10::Stream s) : device(d), side(s), ready(d.type()) {}
@@ -218,19 +212,59 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     std::vector<at::Tensor> v{flat};
     vendor->allreduce(v, o)->wait();
   }
-  at::Tensor host = flat.is_cpu() ? flat : hostCopyOf(flat);
   Reducer reducer{base, dtype, W};
-  if (groups.size() == 1) {
-    reducer({host.data_ptr()}, host.numel(), host.data_ptr(), nullptr);
-  } else {
-    ReduceSpec spec{host, std::move(stripes), gather, std::move(groups), std::move(groupOf),
-                    reducer};
+  const int64_t n = flat.numel();
+  const int64_t segElems = std::max<int64_t>(1, layout_.segmentBytes / flat.element_size());
+  // One segment through the bridge; identical segmentation on every rank.
+  auto reduceSegment = [&](at::Tensor buf, int64_t begin) {
+    if (groups.size() == 1) {
+      reducer({buf.data_ptr()}, buf.numel(), buf.data_ptr(), nullptr);
+      return;
+    }
+    const Range seg{begin, begin + buf.numel()};
+    std::vector<Range> st(W);
+    for (int r = 0; r < W; ++r) {
+      if (stripes.empty()) {
+        st[r] = evenPart(seg.size(), W, r);
+      } else {
+        const Range x = stripes[r].intersect(seg);
+        st[r] = x.size() > 0 ? Range{x.begin - begin, x.end - begin} : Range{0, 0};
+      }
+    }
+    ReduceSpec spec{buf, std::move(st), gather, groups, groupOf, reducer};
     bridge_->reduce(spec, dl);
+  };
+  if (flat.is_cpu()) {
+    for (int64_t b = 0; b < n; b += segElems) {
+      reduceSegment(flat.narrow(0, b, std::min(segElems, n - b)), b);
+    }
+    return;
   }
-  if (!flat.is_cpu()) {
-    flat.copy_(host, /*non_blocking=*/true);
-    syncDevice(flat.device());
+  // Device tensor: all device-to-host copies are queued at once on the current
+  // (side) stream; each segment goes to the bridge as soon as its copy landed,
+  // and its result is copied back on a second stream while the next one runs.
+  const c10::Device dev = flat.device();
+  c10::impl::VirtualGuardImpl impl(dev.type());
+  const c10::Stream d2h = impl.getStream(dev);
+  const c10::Stream h2d = impl.getStreamFromGlobalPool(dev);
+  at::Tensor host = at::empty({n}, flat.options().device(at::kCPU).pinned_memory(true));
+  std::vector<std::unique_ptr<c10::Event>> landed;
+  for (int64_t b = 0; b < n; b += segElems) {
+    const int64_t len = std::min(segElems, n - b);
+    host.narrow(0, b, len).copy_(flat.narrow(0, b, len), /*non_blocking=*/true);
+    landed.push_back(std::make_unique<c10::Event>(dev.type()));
+    landed.back()->record(d2h);
   }
+  for (int64_t b = 0, k = 0; b < n; b += segElems, ++k) {
+    const int64_t len = std::min(segElems, n - b);
+    landed[k]->synchronize();
+    reduceSegment(host.narrow(0, b, len), b);
+    landed[k]->block(h2d);
+    impl.exchangeStream(h2d);
+    flat.narrow(0, b, len).copy_(host.narrow(0, b, len), /*non_blocking=*/true);
+    impl.exchangeStream(d2h);
+  }
+  h2d.synchronize();  // `host` must outlive the copies; later work on d2h sees the result
 }
 
 void KaitianBackend::exchangeBytes(const uint8_t* blob, int64_t blobLen,
@@ -269,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>
                  [this, t, op](const Deadline& dl) mutable {
                    if (t.numel() == 0) return -1;
                    at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
-                   reduceFlat(flat, op, evenStripes(flat.numel(), getSize()), true, dl);
+                   reduceFlat(flat, op, {}, true, dl);
                    if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
                    return -1;
                  });
@@ -293,7 +327,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
                    for (auto& t : ts) flats.push_back(t.reshape({-1}));
                    at::Tensor flat = at::cat(flats);
                    if (flat.numel() == 0) return -1;
-                   reduceFlat(flat, op, evenStripes(flat.numel(), getSize()), true, dl);
+                   reduceFlat(flat, op, {}, true, dl);
                    int64_t off = 0;
                    for (auto& t : ts) {
                      t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));

@@ -18,6 +18,7 @@ struct Layout {
   std::vector<std::string> groupNames;   // per group
   std::vector<std::string> groupDevice;  // per group: device type ("cpu", "cuda", ...)
   bool flatIntra = true;                 // CPU groups: reduce through the bridge, not the vendor
+  int64_t segmentBytes = 16 << 20;       // reductions proceed in segments of this size
 };
 
 class KaitianBackend : public c10d::Backend {
@@ -97,8 +98,10 @@ class KaitianBackend : public c10d::Backend {
                                          std::vector<at::Tensor> deviceTensors,
                                          std::chrono::milliseconds timeout, Body body);
   // Reduces `flat` (contiguous, 1-D, on its device) over the world: vendor step
-  // inside groups that use their vendor, then the bridge across source groups.
-  // Rank r ends up with stripes[r] reduced (every stripe when `gather`).
+  // inside groups that use their vendor, then the bridge across source groups,
+  // segment by segment (device tensors: copies of the next segment overlap the
+  // bridge work on this one). Rank r ends up with stripes[r] reduced (every
+  // stripe when `gather`); empty `stripes` means an even split of each segment.
   void reduceFlat(at::Tensor& flat, const c10d::ReduceOp& op, std::vector<Range> stripes,
                   bool gather, const Deadline& dl);
   bool groupUsesVendor(int group, at::ScalarType dtype) const;

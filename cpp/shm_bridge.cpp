@@ -93,8 +93,8 @@ struct ShmSegmentHeader {
 
 ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                      const std::string& name, int64_t chunkBytes, std::vector<int64_t> pids,
-                     std::chrono::milliseconds timeout, const std::atomic<bool>* stop)
-    : rank_(rank), size_(size), pids_(std::move(pids)), peers_(size), stop_(stop) {
+                     std::chrono::milliseconds timeout, int64_t spinMicros)
+    : rank_(rank), size_(size), pids_(std::move(pids)), peers_(size), spinMicros_(spinMicros) {
   chunk_ = std::max<int64_t>(alignUp(chunkBytes, 64), 4096);
   chunk_ = std::max<int64_t>(chunk_, alignUp((1 + 3 * static_cast<int64_t>(size)) * 8, 64));
   mailbox_ = std::min<int64_t>(chunk_, 1 << 20);
@@ -103,7 +103,6 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
   dataOff_ = alignUp(headerBytes, 4096);
   segBytes_ = dataOff_ + kSlots * 2 * chunk_ + static_cast<int64_t>(size) * (kMsgHeader + mailbox_);
   myName_ = name;
-  if (const char* spin = std::getenv("KAITIAN_SPIN_US")) spinMicros_ = std::atoll(spin);
   TORCH_CHECK(!myName_.empty() && myName_[0] == '/' && myName_.find('/', 1) == std::string::npos,
               "kaitian: bad shared memory name ", myName_);
 

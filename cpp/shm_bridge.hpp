@@ -21,7 +21,7 @@ class ShmBridge : public Bridge {
   // shares our pid namespace (else -1), used to report a dead peer early.
   ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const std::string& name,
             int64_t chunkBytes, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
-            const std::atomic<bool>* stop);
+            int64_t spinMicros);
   ~ShmBridge() override;
 
   std::string kind() const override { return "shm"; }
@@ -56,9 +56,8 @@ class ShmBridge : public Bridge {
   std::vector<Peer> peers_;
   std::string myName_;
   bool unlinked_ = false;
-  uint64_t round_ = 0;
-  int64_t spinMicros_ = 50;  // spin before sleeping on a futex (KAITIAN_SPIN_US)  // collective rounds done; identical on every rank
-  const std::atomic<bool>* stop_;
+  uint64_t round_ = 0;  // collective rounds done; identical on every rank
+  int64_t spinMicros_;  // spin before sleeping on a futex (KAITIAN_SPIN_US)
 };
 
 }  // namespace kaitian

@@ -73,6 +73,8 @@ class Settings:
         bridge_addr: ``KAITIAN_BRIDGE_ADDR`` - IPv4 address this rank's TCP bridge
             listens on and advertises; ``None`` means derive it (the interface
             that routes to ``MASTER_ADDR``).
+        spin_us: ``KAITIAN_SPIN_US`` - microseconds the shared-memory bridge spins
+            waiting for a peer before it sleeps on a futex.
     """
 
     device_type: Optional[str] = None
@@ -87,6 +89,7 @@ class Settings:
     monitor_dir: Optional[str] = None
     cpu_quota_mode: str = "auto"
     bridge_addr: Optional[str] = None
+    spin_us: int = 50
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -111,6 +114,7 @@ class Settings:
                 env, "KAITIAN_CPU_QUOTA_MODE", "auto", ("auto", "cgroup", "signal")
             ),
             bridge_addr=env.get("KAITIAN_BRIDGE_ADDR") or None,
+            spin_us=_int(env, "KAITIAN_SPIN_US", 50),
         )
 
 

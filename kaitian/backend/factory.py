@@ -178,6 +178,9 @@ def create_kaitian_backend(dist_opts, backend_options=None):
             bridge_kind=bridge, bridge_store=file_store,
             shm_name=shm_gc.segment_name(token, rank), chunk_bytes=int(lead.chunk_bytes),
             pids=pids, tcp_host=_local_address(s) if bridge == "tcp" else "",
+            spin_us=max(0, int(s.spin_us)),
+            # Reductions go segment by segment (device copies overlap the bridge).
+            segment_bytes=16 * max(4096, int(lead.chunk_bytes)),
         )
     finally:
         # The file store was only the meeting point; dropping it on every rank
