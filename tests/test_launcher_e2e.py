@@ -326,8 +326,8 @@ def test_two_nodes_different_mixes_train_with_kaitian(tmp_path):
     kaitian (kaitian rendezvous); final parameters agree.
     """
     gloo = _two_nodes(tmp_path, "gloo", "gloo", "c10d", 29641)
-    # Two agents on one host have separate run directories: force the TCP bridge.
-    kt = _two_nodes(tmp_path, "kaitian", "kaitian", "kaitian", 29642, {"KAITIAN_BRIDGE": "tcp"})
+    # Two agents on one host have separate run directories: the backend bridges them over TCP.
+    kt = _two_nodes(tmp_path, "kaitian", "kaitian", "kaitian", 29642)
     for result in (gloo, kt):
         assert sorted(result) == [0, 1, 2]
         groups = [result[r]["KAITIAN_GROUP"] for r in range(3)]
