@@ -36,10 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zlib
 from datetime import timedelta
 
 __all__ = ["main"]
+
+# Run from a checkout as well as from an installed kaitian.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _parse_size(text: str) -> int:
@@ -73,6 +77,7 @@ def _worker(args: argparse.Namespace) -> int:
     dist.init_process_group("kaitian", init_method=args.init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     gloo = dist.new_group(backend="gloo")
+    warnings.filterwarnings("ignore", category=FutureWarning)
     failures = 0
 
     def report(name: str, ok: bool, detail: str = "") -> None:
@@ -103,25 +108,25 @@ def _worker(args: argparse.Namespace) -> int:
                 continue
             stack = torch.stack([x.double() for x in inputs])
             exp = {"SUM": stack.sum(0), "AVG": stack.mean(0), "MAX": stack.max(0).values}[op]
-            t = inputs[rank].to(device)
+            t = inputs[rank].to(device, copy=True)
             dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
             report(f"all_reduce {op} {dtype}", close(t, exp.to(dtype) if op == "MAX" else exp, dtype))
         for src in range(world):
-            t = inputs[rank].to(device)
+            t = inputs[rank].to(device, copy=True)
             dist.broadcast(t, src)
             report(f"broadcast {dtype} from rank {src} ({'cuda' if src < args.cuda_ranks else 'cpu'})",
                    close(t, inputs[src], dtype))
         out = [torch.empty(n, dtype=dtype, device=device) for _ in range(world)]
-        dist.all_gather(out, inputs[rank].to(device))
+        dist.all_gather(out, inputs[rank].to(device, copy=True))
         report(f"all_gather {dtype}", all(close(o, inputs[r], dtype) for r, o in enumerate(out)))
         flat = torch.empty(n * world, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(flat, inputs[rank].to(device))
+        dist.all_gather_into_tensor(flat, inputs[rank].to(device, copy=True))
         report(f"all_gather_into_tensor {dtype}", close(flat, torch.cat(inputs), dtype))
         if dtype != torch.int64:
             full = [_input(dtype, 64 * world, r, f"rs{dtype}") for r in range(world)]
             exp = torch.stack([x.double() for x in full]).sum(0)[rank * 64:(rank + 1) * 64]
             out = torch.empty(64, dtype=dtype, device=device)
-            dist.reduce_scatter_tensor(out, full[rank].to(device))
+            dist.reduce_scatter_tensor(out, full[rank].to(device, copy=True))
             report(f"reduce_scatter_tensor SUM {dtype}", close(out, exp, dtype))
 
     if rank == 0:
