@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
