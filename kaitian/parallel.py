@@ -289,12 +289,13 @@ def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as rea
     world = group.size()
     ref = st.ref
     buffer = bucket.buffer()
-    if st.samples != ref:
-        buffer.mul_(st.samples / ref)
     if ddp._kt_user_hook is None:
-        buffer.div_(world)
+        # One pass over the bucket, as torch's own hook (which divides by world).
+        buffer.mul_(st.samples / (ref * world))
         reduced = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     else:
+        if st.samples != ref:
+            buffer.mul_(st.samples / ref)
         user_state, user_hook = ddp._kt_user_hook
         reduced = user_hook(user_state, bucket)
     if bucket.is_last():
@@ -308,6 +309,8 @@ def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as rea
         global_samples = float(_first_value(count_fut.value()).item())
         st.last_global = int(round(global_samples))
         st.next_ref = global_samples / world
-        return grad.mul_(ref * world / global_samples)
+        correction = ref * world / global_samples
+        # Same global batch as the step before (the usual case): nothing to fix.
+        return grad if correction == 1.0 else grad.mul_(correction)
 
     return torch.futures.collect_all([reduced, count_future]).then(finish)
