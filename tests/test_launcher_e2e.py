@@ -266,8 +266,10 @@ def test_killed_agent_leftovers_collected(tmp_path):
         ({}, ["--nproc-auto", "--cpu-groups", "3"], "--cpu-groups 3"),
         ({}, ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
         ({}, ["MISSING"], "no such file"),
+        ({}, ["--rdzv-backend", "zookeeper"], "--rdzv-backend zookeeper: unknown; registered:"),
     ],
-    ids=["index", "malformed", "absent-vendor", "devices-flag", "groups", "unknown-flag", "missing-script"],
+    ids=["index", "malformed", "absent-vendor", "devices-flag", "groups", "unknown-flag", "missing-script",
+         "rdzv-backend"],
 )
 def test_bad_input_one_line(tmp_path, env, args, needle):
     script = [] if "MISSING" in args else [_script("envdump.py"), str(tmp_path)]

@@ -116,6 +116,15 @@ def speed_up_rendezvous_events() -> None:
     dynamic_rendezvous.get_method_name = _method_name
 
 
+def rendezvous_backend_names() -> list:
+    """Names registered with torchelastic's rendezvous registry (entry points included).
+
+    Importing ``rendezvous.api`` above ran the package's ``__init__``, which
+    registered torch's backends and the ``torchrun.handlers`` plug-ins.
+    """
+    return sorted(rendezvous_handler_registry._registry)  # noqa: SLF001
+
+
 def get_rendezvous_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     """torchelastic's registry lookup (imported late: the registry module imports plug-ins)."""
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler as _get
@@ -155,6 +164,7 @@ __all__ = [
     "macros",
     "metrics",
     "record",
+    "rendezvous_backend_names",
     "rendezvous_handler_registry",
     "set_thread_name",
     "speed_up_rendezvous_events",

@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> None:
     """
     _check_script(args)
     _resolve_rendezvous(args)
+    known = _te.rendezvous_backend_names()
+    if args.rdzv_backend not in known:
+        raise UsageError(f"--rdzv-backend {args.rdzv_backend}: unknown; registered: {', '.join(known)}")
     omp_from_user = "OMP_NUM_THREADS" in os.environ
     cpu_quota = parse_cpu_quota(args.cpu_quota)
     plan_kwargs = dict(
