@@ -131,21 +131,58 @@ def cpu_slots(count: Optional[int] = None) -> List[Device]:
         chunks = [
             tuple(cores[i * len(cores) // count:(i + 1) * len(cores) // count]) for i in range(count)
         ]
+    model = _cpu_model()
+    node_memory = _numa_memory(sorted(nodes))
+    slots_on_node: Dict[int, int] = {}
+    for chunk in chunks:
+        for n in {node_of[c] for c in chunk}:
+            slots_on_node[n] = slots_on_node.get(n, 0) + 1
     slots = []
     for i, chunk in enumerate(chunks):
         numas = sorted({node_of[c] for c in chunk})
+        # a slot's share of its NUMA nodes' memory (an even split between slots)
+        memory = sum(node_memory[n] // slots_on_node[n] for n in numas if node_memory.get(n))
         slots.append(
             Device(
                 vendor="cpu",
                 index=i,
-                name=f"{len(chunk)} cores ({_format_cpulist(chunk)})",
-                memory_bytes=None,
+                name=f"{model}, {len(chunk)} core{'' if len(chunk) == 1 else 's'}",
+                memory_bytes=memory or None,
                 bus_id=",".join(f"numa{n}" for n in numas),
                 link=None,
                 cpus=chunk,
             )
         )
     return slots
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def _numa_memory(nodes: Sequence[int], sys_root: str = "/sys/devices/system/node") -> Dict[int, int]:
+    """NUMA node -> its memory in bytes (``/sys``; psutil's total for a host without NUMA info)."""
+    found: Dict[int, int] = {}
+    for n in nodes:
+        try:
+            with open(os.path.join(sys_root, f"node{n}", "meminfo")) as f:
+                m = re.search(r"MemTotal:\s+(\d+)\s*kB", f.read())
+            if m:
+                found[n] = int(m.group(1)) * 1024
+        except OSError:
+            pass
+    if not found and len(nodes) == 1:
+        import psutil
+
+        found[nodes[0]] = int(psutil.virtual_memory().total)
+    return found
 
 
 def _format_cpulist(cpus: Sequence[int]) -> str:
