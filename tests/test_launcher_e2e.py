@@ -165,6 +165,22 @@ def test_nproc_auto_cpu_groups(tmp_path):
     assert not _leftovers(proc.pid)
 
 
+def test_capability_from_config_reaches_workers(tmp_path):
+    """`kaitian init`'s config (devices.<key>.capability) -> KAITIAN_CAPABILITY per rank, and `kaitian devices`."""
+    config = tmp_path / "config.toml"
+    config.write_text('[devices."cpu:0"]\ncapability = 812.5\n\n[devices."cpu:1"]\ncapability = 270.0\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _env(KAITIAN_CONFIG=str(config))
+    proc = _run([*_kaitianrun(), "--nproc-auto", "--cpu-slots", "2", "--cpu-groups", "2",
+                 _script("envdump.py"), str(out)], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    envs = _dumps(str(out))
+    assert float(envs[0]["KAITIAN_CAPABILITY"]) == 812.5 and float(envs[1]["KAITIAN_CAPABILITY"]) == 270.0
+    table = _run([*_kaitian(), "devices", "--cpu-slots", "2"], env=env)
+    assert "812.5/s" in table.stdout and "270.0/s" in table.stdout
+
+
 def test_kaitian_run_alias(tmp_path):
     """`kaitian run -f script.py args` = kaitianrun --standalone --nproc-auto."""
     proc = _run([*_kaitian(), "run", "-f", _script("envdump.py"), str(tmp_path)], env=_env(USE_CPU="0"))
