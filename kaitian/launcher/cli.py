@@ -198,6 +198,9 @@ def run(args: argparse.Namespace) -> None:
     if args.nproc_auto:
         plans = plan_workers(nproc_auto=True, nproc_per_node=None, **plan_kwargs)
         args.nproc_per_node = str(len(plans))
+        if not omp_from_user and len(plans) > 1:
+            # torchrun's default (1) without its warning: CPU slots get their core count anyway.
+            os.environ["OMP_NUM_THREADS"] = "1"
     try:
         config, cmd, cmd_args = _te.config_from_args(args)
     except (AssertionError, RuntimeError, ValueError) as e:
