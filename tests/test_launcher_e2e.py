@@ -212,6 +212,7 @@ def test_failure_exit_code_and_root_cause(tmp_path):
     assert "Root Cause (first observed failure)" in k.stderr
     assert "planned crash on the first attempt" in k.stderr
     assert "rank      : 1 (local_rank: 1)" in k.stderr
+    assert not _leftovers(k.pid)
 
 
 @pytest.mark.parametrize("sig,mode", [(signal.SIGINT, "auto"), (signal.SIGTERM, "signal")],
