@@ -17,10 +17,10 @@ _register_backend()
 
 # public name -> module that defines it
 _LAZY = {
-    "device": "kaitian.device",
-    "set_device": "kaitian.device",
-    "local_device_count": "kaitian.device",
-    "manual_seed": "kaitian.device",
+    "device": "kaitian.rank_device",
+    "set_device": "kaitian.rank_device",
+    "local_device_count": "kaitian.rank_device",
+    "manual_seed": "kaitian.rank_device",
     "DistributedSampler": "kaitian.sampler",
     "optimize_batch_size": "kaitian.sampler",
     "DistributedDataParallel": "kaitian.parallel",

@@ -138,7 +138,7 @@ def proportional_split(
 
 
 def _default_device() -> torch.device:
-    from kaitian.device import device
+    from kaitian.rank_device import device
 
     return device()
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
-import types
 from typing import Optional
 
 import torch
@@ -153,17 +151,3 @@ def manual_seed(seed: int) -> None:
             seed_all(seed)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-
-
-class _CallableModule(types.ModuleType):
-    """``kaitian.device`` names both this module and the function ``device()``.
-
-    Importing the submodule makes ``kaitian.device`` the module object, so the
-    module itself is made callable: ``kaitian.device()`` works either way.
-    """
-
-    def __call__(self) -> torch.device:
-        return device()
-
-
-sys.modules[__name__].__class__ = _CallableModule
