@@ -167,6 +167,22 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
   return work;
 }
 
+at::Tensor KaitianBackend::scratchCopy(const at::Tensor& t) {
+  if (!t.is_cpu()) return t.reshape({-1}).clone();
+  // One reused buffer: no page faults per call, and a plain memcpy on this
+  // thread instead of ATen's copy, whose OpenMP workers keep spinning after the
+  // copy and steal the cores the peers' progress threads need.
+  const int64_t nb = nbytes(t);
+  if (!scratch_.defined() || scratch_.numel() < nb) scratch_ = at::empty({nb}, at::kByte);
+  at::Tensor out = scratch_.narrow(0, 0, nb).view(t.scalar_type());
+  if (t.is_contiguous()) {
+    if (nb > 0) std::memcpy(out.data_ptr(), t.data_ptr(), nb);
+  } else {
+    out.view(t.sizes()).copy_(t);
+  }
+  return out;
+}
+
 bool KaitianBackend::groupUsesVendor(int group, at::ScalarType dtype) const {
   if (layout_.groupDevice[group] != "cpu") return true;  // device groups: always the vendor
   if (layout_.flatIntra) return false;                   // kaitian's own shm intra path
@@ -352,7 +368,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& t
                    const bool isRoot = getRank() == root;
                    // Non-roots keep their input: reduce a copy.
                    at::Tensor flat = (isRoot && t.is_contiguous()) ? t.view({-1})
-                                                                   : t.reshape({-1}).clone();
+                                                                   : scratchCopy(t);
                    std::vector<Range> stripes(getSize());
                    stripes[root] = Range{0, flat.numel()};
                    reduceFlat(flat, op, stripes, false, dl);
@@ -404,7 +420,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
                  {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
                    const int64_t m = out.numel();
                    if (m == 0) return -1;
-                   at::Tensor flat = in.reshape({-1}).clone();
+                   at::Tensor flat = scratchCopy(in);
                    std::vector<Range> stripes(getSize());
                    for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
                    reduceFlat(flat, op, stripes, false, dl);
@@ -436,7 +452,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
                    for (size_t i = 0; i < outs.size(); ++i) {
                      const int64_t m = outs[i].numel();
                      if (m == 0) continue;
-                     at::Tensor flat = ins[i].reshape({-1}).clone();
+                     at::Tensor flat = scratchCopy(ins[i]);
                      std::vector<Range> stripes(getSize());
                      for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
                      reduceFlat(flat, op, stripes, false, dl);

@@ -105,6 +105,8 @@ class KaitianBackend : public c10d::Backend {
   void reduceFlat(at::Tensor& flat, const c10d::ReduceOp& op, std::vector<Range> stripes,
                   bool gather, const Deadline& dl);
   bool groupUsesVendor(int group, at::ScalarType dtype) const;
+  // A 1-D copy of `t` in a buffer reused across calls (progress thread only).
+  at::Tensor scratchCopy(const at::Tensor& t);
   void exchangeBytes(const uint8_t* blob, int64_t blobLen, std::vector<int64_t> sendOff,
                      std::vector<int64_t> sendLen, std::vector<uint8_t*> recvPtr,
                      std::vector<int64_t> recvLen, const Deadline& dl);
@@ -118,6 +120,7 @@ class KaitianBackend : public c10d::Backend {
   std::mutex shutdownMu_;
   bool shutDown_ = false;
   std::unique_ptr<OpQueue> collectives_, sends_, recvs_;
+  at::Tensor scratch_;  // used only by the collectives thread
 };
 
 }  // namespace kaitian

@@ -5,7 +5,11 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+
+// OpenMP, if torch runs on it (weak: absent with other thread pools).
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
 
 namespace kaitian {
 
@@ -120,6 +124,12 @@ void OpQueue::stop(const std::string& reason) {
 
 void OpQueue::loop() {
   pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
+  // ATen ops on this thread run single-threaded: OpenMP workers keep spinning
+  // after a parallel region and would take the cores the peers need, and
+  // communication is memory-bound anyway. (Thread-local; torch's own setting
+  // is applied lazily first, so set ours after it.)
+  at::internal::lazy_init_num_threads();
+  if (omp_set_num_threads != nullptr) omp_set_num_threads(1);
   while (true) {
     Task task;
     spinUntil([&] { return queued_.load(std::memory_order_acquire) > 0; });
