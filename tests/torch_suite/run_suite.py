@@ -66,8 +66,9 @@ if os.environ["BACKEND"] == "kaitian" or _AS_GLOO:
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
 if os.environ["BACKEND"] == "kaitian":
-    # What kaitian implements on CPU ranks: DDP, subgroups, and it is a plugin.
-    for _feature in ("ddp", "subgroup", "plugin"):
+    # What kaitian implements: CUDA tensors (through NCCL inside the group), DDP,
+    # subgroups; and it is a plugin.
+    for _feature in ("gpu", "cuda", "ddp", "subgroup", "plugin"):
         DistTestCases.backend_feature[_feature].add("kaitian")
 
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
