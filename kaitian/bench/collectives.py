@@ -97,8 +97,9 @@ def _fmt_size(n: int) -> str:
 def _iters_for(nbytes: int, requested: Optional[int]) -> int:
     if requested:
         return requested
-    # about 256 MiB moved per measurement, between 5 and 200 calls
-    return max(5, min(200, (256 << 20) // max(nbytes, 1)))
+    # about 512 MiB moved per measurement, between 15 and 200 calls (spread
+    # over 5 rounds: even the largest size gets 3 calls a round)
+    return max(15, min(200, (512 << 20) // max(nbytes, 1)))
 
 
 # --------------------------------------------------------------------------- worker
