@@ -311,8 +311,9 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>
                                                          const c10d::AllreduceOptions& opts) {
   checkOne("allreduce", tensors.size());
   at::Tensor t = tensors[0];
-  TORCH_CHECK(t.layout() == at::kStrided,
-              "kaitian allreduce: sparse tensors are not supported; call .to_dense() first");
+  if (t.is_sparse()) return allreduceSparse(t, opts);
+  TORCH_CHECK(t.layout() == at::kStrided, "kaitian allreduce: layout ", t.layout(),
+              " is not supported; use a dense (strided) or sparse COO tensor");
   checkReduceSupported("allreduce", opts.reduceOp.op_, t.scalar_type());
   const RedOp op = opts.reduceOp;
   return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", tensors, tensors, opts.timeout,
@@ -321,6 +322,50 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>
                    at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
                    reduceFlat(flat, op, {}, true, dl);
                    if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
+                   return -1;
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduceSparse(
+    at::Tensor t, const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK(opts.reduceOp.op_ == RedOp::SUM, "kaitian allreduce: sparse tensors support only "
+              "ReduceOp.SUM (got ", reduceOpName(opts.reduceOp.op_), "); densify with .to_dense()");
+  std::vector<at::Tensor> tensors{t};
+  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", tensors, tensors, opts.timeout,
+                 [this, t](const Deadline& dl) mutable {
+                   // Every rank gathers every rank's (indices, values); the sum is
+                   // the coalesced concatenation, identical everywhere.
+                   const int W = getSize();
+                   at::Tensor c = t.coalesce();
+                   at::Tensor idx = hostCopyOf(c._indices());
+                   at::Tensor val = hostCopyOf(c._values());
+                   const int64_t sparseDim = idx.size(0);
+                   int64_t nnz = val.size(0);
+                   std::vector<int64_t> counts(W, 0);
+                   std::vector<uint8_t*> rptr(W);
+                   for (int s = 0; s < W; ++s) rptr[s] = reinterpret_cast<uint8_t*>(&counts[s]);
+                   exchangeBytes(reinterpret_cast<uint8_t*>(&nnz), 8, std::vector<int64_t>(W, 0),
+                                 std::vector<int64_t>(W, 8), rptr, std::vector<int64_t>(W, 8), dl);
+                   std::vector<at::Tensor> idxs, vals;
+                   std::vector<int64_t> ilen(W), vlen(W);
+                   for (int s = 0; s < W; ++s) {
+                     idxs.push_back(at::empty({sparseDim, counts[s]}, idx.options()));
+                     auto shape = val.sizes().vec();
+                     shape[0] = counts[s];
+                     vals.push_back(at::empty(shape, val.options()));
+                     ilen[s] = nbytes(idxs[s]);
+                     vlen[s] = nbytes(vals[s]);
+                   }
+                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(idxs[s]);
+                   exchangeBytes(bytesOf(idx), nbytes(idx), std::vector<int64_t>(W, 0),
+                                 std::vector<int64_t>(W, nbytes(idx)), rptr, ilen, dl);
+                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(vals[s]);
+                   exchangeBytes(bytesOf(val), nbytes(val), std::vector<int64_t>(W, 0),
+                                 std::vector<int64_t>(W, nbytes(val)), rptr, vlen, dl);
+                   at::Tensor sum = at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0),
+                                                          t.sizes(), val.options().layout(at::kSparse))
+                                        .coalesce();
+                   t.copy_(sum.to(t.device()));
                    return -1;
                  });
 }

@@ -97,6 +97,8 @@ class KaitianBackend : public c10d::Backend {
                                          std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> deviceTensors,
                                          std::chrono::milliseconds timeout, Body body);
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor t,
+                                                 const c10d::AllreduceOptions& opts);
   // Reduces `flat` (contiguous, 1-D, on its device) over the world: vendor step
   // inside groups that use their vendor, then the bridge across source groups,
   // segment by segment (device tensors: copies of the next segment overlap the

@@ -46,6 +46,10 @@ def _layout(out: dict) -> None:
     x = torch.full((1000,), float(rank + 1))
     dist.all_reduce(x)
     out["allreduce_ok"] = bool(x.eq(world * (world + 1) / 2).all())
+    # Sparse COO (DDP's sparse embedding gradients): SUM of every rank's entries.
+    sp = torch.sparse_coo_tensor([[rank, world]], [1.0, 2.0], (world + 1,))
+    dist.all_reduce(sp)
+    out["sparse_sum"] = sp.to_dense().tolist()
     # Two overlapping kaitian subgroups alive at once (own stores, own shm names).
     sub_a = dist.new_group([0, world - 1], backend="kaitian")
     sub_b = dist.new_group(list(range(1, world)), backend="kaitian")

@@ -95,6 +95,7 @@ def test_layout_subgroups_p2p_and_cleanup(bridge):
     assert r0["group_of"] == [0, 0, 1, 2]
     assert r0["flat_intra"] is True and r0["has_intra"] is False  # KAITIAN_INTRA=auto: shm path
     assert all(res[r]["allreduce_ok"] for r in range(4))
+    assert all(res[r]["sparse_sum"] == [1.0, 1.0, 1.0, 1.0, 8.0] for r in range(4))
     assert res[0]["sub_a_ok"] and res[3]["sub_a_ok"] and res[0]["sub_a_size"] == 2
     assert all(res[r]["sub_b_ok"] for r in (1, 2, 3))
     assert res[1]["sub_b_groups"] == ["cpu0", "cpu1", "cpu2"]
