@@ -284,9 +284,11 @@ def test_killed_agent_leftovers_collected(tmp_path):
         ({}, ["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
         ({}, ["MISSING"], "no such file"),
         ({}, ["--rdzv-backend", "zookeeper"], "--rdzv-backend zookeeper: unknown; registered:"),
+        ({}, ["--image", "kaitian:cuda"], "--image 'kaitian:cuda': expected VENDOR_OR_GROUP=IMAGE"),
+        ({}, ["--nproc-auto", "--cpu-quota", "0,1"], "--cpu-quota '0,1'"),
     ],
     ids=["index", "malformed", "absent-vendor", "devices-flag", "groups", "unknown-flag", "missing-script",
-         "rdzv-backend"],
+         "rdzv-backend", "image", "quota"],
 )
 def test_bad_input_one_line(tmp_path, env, args, needle):
     script = [] if "MISSING" in args else [_script("envdump.py"), str(tmp_path)]
