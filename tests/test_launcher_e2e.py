@@ -462,3 +462,24 @@ def test_plain_torchrun_uses_kaitian_rendezvous_entry_point(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Exception while registering out of tree plugin" not in proc.stderr
     assert sorted(_dumps(str(out))) == [0, 1]
+
+
+def test_shutdown_timeout_escalates_to_sigkill(tmp_path):
+    """Workers ignoring the forwarded signal are SIGKILLed after --shutdown-timeout."""
+    proc = subprocess.Popen(
+        [*_kaitianrun(), "--nproc-per-node", "2", "--shutdown-timeout", "2", _script("stubborn.py"), str(tmp_path)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        pids = [int(open(p).read()) for p in _wait_files(str(tmp_path / "pid.*"), 2, proc)]
+        stop = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert 1.5 < took < 15, f"stopped after {took:.1f} s"
+    for pid in pids:
+        assert not _alive(pid)
+    assert not _leftovers(proc.pid)
