@@ -48,11 +48,21 @@ c10::intrusive_ptr<KaitianBackend> createBackend(
                                              cpuBackend, std::move(bridge));
 }
 
+void joinWithoutGil(const std::function<void()>& join) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    join();
+  } else {
+    join();
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kaitian C++ backend";
   py::module_::import("torch.distributed");  // registers c10d::Backend / Store with pybind
+  kaitian::setBlockingHook(&joinWithoutGil);
   py::class_<KaitianBackend, c10d::Backend, c10::intrusive_ptr<KaitianBackend>>(m, "KaitianBackend")
       .def("bridge_kind", &KaitianBackend::bridgeKind)
       .def("bridge_regions", &KaitianBackend::bridgeRegions)

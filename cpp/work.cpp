@@ -84,6 +84,12 @@ void KaitianWork::markFailed(std::exception_ptr error) {
   future_->setErrorIfNeeded(error);
 }
 
+namespace {
+BlockingHook gBlockingHook = nullptr;
+}  // namespace
+
+void setBlockingHook(BlockingHook hook) { gBlockingHook = hook; }
+
 OpQueue::OpQueue(std::string threadName) : name_(std::move(threadName)) {
   thread_ = std::thread([this] { loop(); });
 }
@@ -108,7 +114,15 @@ void OpQueue::stop(const std::string& reason) {
     stopping_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();  // the last reference died in one of our own callbacks
+    } else if (gBlockingHook != nullptr) {
+      gBlockingHook([this] { thread_.join(); });
+    } else {
+      thread_.join();
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     left.swap(tasks_);

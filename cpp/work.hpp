@@ -39,6 +39,12 @@ class KaitianWork : public c10d::Work {
   std::atomic<bool> done_{false};  // lets wait() spin briefly before sleeping
 };
 
+// Runs a blocking call (joining a thread) without the Python GIL when the
+// caller holds it: a future callback on our thread may need the GIL to finish.
+// Set by the Python module; plain call when unset.
+using BlockingHook = void (*)(const std::function<void()>&);
+void setBlockingHook(BlockingHook hook);
+
 // A FIFO of tasks run by one named thread. `stop()` fails what is still queued.
 class OpQueue {
  public:
