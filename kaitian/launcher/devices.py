@@ -14,11 +14,12 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from kaitian import vendors as _vendors
 
 __all__ = [
+    "format_cpulist",
     "Device",
     "DeviceSelectionError",
     "discover",
@@ -185,10 +186,11 @@ def _numa_memory(nodes: Sequence[int], sys_root: str = "/sys/devices/system/node
     return found
 
 
-def _format_cpulist(cpus: Sequence[int]) -> str:
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """``0-3,8`` from core numbers (the kernel's cpulist format)."""
     parts: List[str] = []
     start = prev = None
-    for c in sorted(cpus):
+    for c in sorted(set(cpus)):
         if start is None:
             start = prev = c
         elif c == prev + 1:
@@ -470,7 +472,7 @@ def format_table(devices: Sequence[Device]) -> str:
                 _human_bytes(d.memory_bytes),
                 d.bus_id or "-",
                 d.link or "-",
-                _format_cpulist(d.cpus) if d.cpus else "-",
+                format_cpulist(d.cpus) if d.cpus else "-",
                 f"{d.capability:.1f}/s" if d.capability is not None else "-",
             )
         )

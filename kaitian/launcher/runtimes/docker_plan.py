@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from kaitian.launcher.devices import format_cpulist
 from kaitian.vendors import VENDORS
 
 __all__ = [
@@ -334,24 +335,6 @@ def image_for(group: str, vendor: str, images: Mapping[str, str]) -> str:
         ) from None
 
 
-def _cpu_list(cpus: Iterable[int]) -> str:
-    """``0-3,8`` from a set of core numbers."""
-    ordered = sorted(set(cpus))
-    ranges: List[str] = []
-    start = prev = None
-    for c in ordered:
-        if start is None:
-            start = prev = c
-        elif c == prev + 1:
-            prev = c
-        else:
-            ranges.append(f"{start}-{prev}" if start != prev else str(start))
-            start = prev = c
-    if start is not None:
-        ranges.append(f"{start}-{prev}" if start != prev else str(start))
-    return ",".join(ranges)
-
-
 def container_index_map(indices: Iterable[Optional[int]]) -> Dict[int, int]:
     """Host device index -> index inside a container that sees only these devices.
 
@@ -439,7 +422,7 @@ def plan_container(
 
     all_cpus = [c for w in workers for c in w.cpus]
     # Pin the container only when every worker is pinned; otherwise leave it free.
-    cpuset = _cpu_list(all_cpus) if all_cpus and all(w.cpus for w in workers) else None
+    cpuset = format_cpulist(all_cpus) if all_cpus and all(w.cpus for w in workers) else None
     quotas = {w.cpu_quota for w in workers}
     cpu_quota = next(iter(quotas)) if len(quotas) == 1 else None
     if len(quotas) > 1:
@@ -569,7 +552,7 @@ def plan_exec(
         The exec plan.
     """
     program = image_python if entrypoint in set(host_python) else entrypoint
-    cpus = _cpu_list(worker.cpus) if worker.cpus else ""
+    cpus = format_cpulist(worker.cpus) if worker.cpus else ""
     cmd = ("sh", "-c", WRAPPER_SCRIPT, pid_file, cpus, program, *[str(a) for a in args])
     mounted = [m.target for m in container.mounts]
     return ExecPlan(
