@@ -119,9 +119,11 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
       ::close(fd);
       TORCH_CHECK(false, msg);
     }
-    void* p = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* p = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     ::close(fd);
     TORCH_CHECK(p != MAP_FAILED, sysError("kaitian: cannot map shared memory " + myName_));
+    // MAP_POPULATE above and on the peers' mappings: page faults happen here,
+    // not inside the first collective.
     peers_[rank].base = static_cast<uint8_t*>(p);
     auto* hdr = reinterpret_cast<ShmSegmentHeader*>(p);
     hdr->rank = rank;
@@ -152,7 +154,7 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                     " bytes, expected ", segBytes_,
                     "; all ranks must use the same KAITIAN_CHUNK_BYTES and world size");
       }
-      void* q = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
+      void* q = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, pfd, 0);
       ::close(pfd);
       TORCH_CHECK(q != MAP_FAILED, sysError("kaitian: cannot map " + name));
       peers_[s].base = static_cast<uint8_t*>(q);
