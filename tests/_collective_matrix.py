@@ -836,6 +836,9 @@ def _run(args: argparse.Namespace) -> int:
             out.flush()
             # Re-align the ranks after a failure on some of them (cheap, gloo).
             dist.barrier(group=ctx.ref)
+    # Let gloo's worker threads free finished Work (which may need the GIL)
+    # before the groups are destroyed: see the note in _ddp_worker.py.
+    time.sleep(0.3)
     dist.destroy_process_group()
     return 0
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -68,6 +70,7 @@ def _run(args: argparse.Namespace) -> int:
     dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank,
                             world_size=args.world_size, timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
+    dut = ref = None
     with open(args.out, "w") as out:
         for variant, (kwargs, hook, tol) in VARIANTS.items():
             rec = {"case": variant}
@@ -94,6 +97,14 @@ def _run(args: argparse.Namespace) -> int:
             out.write(json.dumps(rec) + "\n")
             out.flush()
             dist.barrier(group=gloo)
+    # torch/gloo teardown deadlock (seen here, not kaitian's): destroying the
+    # last DDP drops the gloo ProcessGroup, whose destructor joins gloo's
+    # worker threads while this thread holds the GIL - and a worker thread may
+    # still be freeing a finished barrier Work whose Python tensors need the
+    # GIL. Drop the models first and let those threads finish, GIL released.
+    dut = ref = None
+    gc.collect()
+    time.sleep(0.5)
     dist.destroy_process_group()
     return 0
 
