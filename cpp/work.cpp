@@ -90,33 +90,34 @@ BlockingHook gBlockingHook = nullptr;
 
 void setBlockingHook(BlockingHook hook) { gBlockingHook = hook; }
 
-OpQueue::OpQueue(std::string threadName) : name_(std::move(threadName)) {
-  thread_ = std::thread([this] { loop(); });
+OpQueue::OpQueue(std::string threadName) : state_(std::make_shared<State>()) {
+  state_->name = std::move(threadName);
+  thread_ = std::thread([state = state_] { loop(state); });
 }
 
 OpQueue::~OpQueue() { stop("process group destroyed"); }
 
 void OpQueue::push(Task task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(!stopping_, "kaitian: the process group was shut down; create a new one");
-    tasks_.push_back(std::move(task));
-    queued_.fetch_add(1, std::memory_order_release);
+    std::lock_guard<std::mutex> lock(state_->mu);
+    TORCH_CHECK(!state_->stopping, "kaitian: the process group was shut down; create a new one");
+    state_->tasks.push_back(std::move(task));
+    state_->queued.fetch_add(1, std::memory_order_release);
   }
-  cv_.notify_one();
+  state_->cv.notify_one();
 }
 
 void OpQueue::stop(const std::string& reason) {
   std::deque<Task> left;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && !thread_.joinable()) return;
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->stopping && !thread_.joinable()) return;
+    state_->stopping = true;
   }
-  cv_.notify_all();
+  state_->cv.notify_all();
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
-      thread_.detach();  // the last reference died in one of our own callbacks
+      thread_.detach();  // destroyed from one of our own callbacks
     } else if (gBlockingHook != nullptr) {
       gBlockingHook([this] { thread_.join(); });
     } else {
@@ -124,8 +125,8 @@ void OpQueue::stop(const std::string& reason) {
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    left.swap(tasks_);
+    std::lock_guard<std::mutex> lock(state_->mu);
+    left.swap(state_->tasks);
   }
   for (auto& t : left) {
     try {
@@ -136,8 +137,8 @@ void OpQueue::stop(const std::string& reason) {
   }
 }
 
-void OpQueue::loop() {
-  pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
+void OpQueue::loop(const std::shared_ptr<State>& state) {
+  pthread_setname_np(pthread_self(), state->name.substr(0, 15).c_str());
   // ATen ops on this thread run single-threaded: OpenMP workers keep spinning
   // after a parallel region and would take the cores the peers need, and
   // communication is memory-bound anyway. (Thread-local; torch's own setting
@@ -146,14 +147,14 @@ void OpQueue::loop() {
   if (omp_set_num_threads != nullptr) omp_set_num_threads(1);
   while (true) {
     Task task;
-    spinUntil([&] { return queued_.load(std::memory_order_acquire) > 0; });
+    spinUntil([&] { return state->queued.load(std::memory_order_acquire) > 0; });
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-      if (stopping_) return;
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-      queued_.fetch_sub(1, std::memory_order_relaxed);
+      std::unique_lock<std::mutex> lock(state->mu);
+      state->cv.wait(lock, [&] { return state->stopping || !state->tasks.empty(); });
+      if (state->stopping) return;
+      task = std::move(state->tasks.front());
+      state->tasks.pop_front();
+      state->queued.fetch_sub(1, std::memory_order_relaxed);
     }
     task.run();  // completes its own Work, errors included
   }

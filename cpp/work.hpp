@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -58,13 +59,18 @@ class OpQueue {
   void stop(const std::string& reason);
 
  private:
-  void loop();
-  std::string name_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Task> tasks_;
-  std::atomic<size_t> queued_{0};  // lets the idle thread spin briefly before sleeping
-  bool stopping_ = false;
+  // Shared with the thread, so that a thread detached in its own callback
+  // (the owner destroyed from there) never touches freed memory.
+  struct State {
+    std::string name;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Task> tasks;
+    std::atomic<size_t> queued{0};  // lets the idle thread spin briefly before sleeping
+    bool stopping = false;
+  };
+  static void loop(const std::shared_ptr<State>& state);
+  std::shared_ptr<State> state_;
   std::thread thread_;
 };
 
