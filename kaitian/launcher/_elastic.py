@@ -26,6 +26,12 @@ _LATE = {
     "LaunchConfig": ("torch.distributed.launcher.api", "LaunchConfig"),
     "get_addr_and_port": ("torch.distributed.launcher.api", "_get_addr_and_port"),
     "get_entrypoint_name": ("torch.distributed.launcher.api", "_get_entrypoint_name"),
+    # Needed by kaitian.launcher.rendezvous at import time. When this module
+    # imports the agent below, torch initialises its rendezvous package, which
+    # loads our entry point while this module is still half-imported; the
+    # rendezvous ``api`` submodule is complete by then, so resolve from it.
+    "RendezvousHandler": ("torch.distributed.elastic.rendezvous.api", "RendezvousHandler"),
+    "rendezvous_handler_registry": ("torch.distributed.elastic.rendezvous.api", "rendezvous_handler_registry"),
 }
 
 
