@@ -201,7 +201,7 @@ SELECTION = (
 # all_reduce_coalesced, futures of DDP comm hooks, batched p2p, tagged
 # send/recv. ``--as-gloo`` runs them with BACKEND=gloo for the suite's gates and
 # kaitian as the process group (tests that query the backend's name or use
-# gloo-only APIs - monitored_barrier, sparse all_reduce - stay out).
+# gloo-only APIs - monitored_barrier - stay out).
 AS_GLOO_TESTS = (
     "test_accumulate_gradients_no_sync", "test_accumulate_gradients_no_sync_allreduce_hook",
     "test_accumulate_gradients_no_sync_allreduce_with_then_hook", "test_accumulate_gradients_no_sync_grad_is_view",
@@ -211,7 +211,7 @@ AS_GLOO_TESTS = (
     "test_all_reduce_coalesced_max", "test_all_reduce_coalesced_min", "test_all_reduce_coalesced_product",
     "test_all_reduce_coalesced_sum", "test_barrier_timeout_full_group", "test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags",
     "test_gather_object", "test_gather_object_subgroup", "test_get_future",
-    "test_grads_same_across_ranks_with_no_sync", "test_scatter_object_list",
+    "test_grads_same_across_ranks_with_no_sync", "test_scatter_object_list", "test_sparse_all_reduce_sum",
 )
 
 
