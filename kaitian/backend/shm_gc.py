@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import time
-from typing import List
+from typing import Iterator, List, Tuple
 
 __all__ = ["SHM_DIR", "segment_name", "pid_namespace", "collect_stale_segments", "collect_namespace_segments"]
 
@@ -53,6 +53,26 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _segments(shm_dir: str) -> Iterator[Tuple[str, int, int]]:
+    """``(name, pid namespace, pid)`` of every kaitian segment in ``shm_dir``."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return
+    for name in names:
+        match = _NAME.match(name)
+        if match:
+            yield name, int(match.group(1)), int(match.group(2))
+
+
+def _unlink(shm_dir: str, name: str) -> bool:
+    try:
+        os.unlink(os.path.join(shm_dir, name))
+        return True
+    except OSError:
+        return False
+
+
 def collect_stale_segments(shm_dir: str = SHM_DIR) -> List[str]:
     """Unlinks kaitian segments whose creating process is gone.
 
@@ -63,32 +83,19 @@ def collect_stale_segments(shm_dir: str = SHM_DIR) -> List[str]:
         The names that were removed.
     """
     removed: List[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
     my_ns = pid_namespace()
     now = time.time()
-    for name in names:
-        match = _NAME.match(name)
-        if not match:
-            continue
-        ns, pid = int(match.group(1)), int(match.group(2))
-        path = os.path.join(shm_dir, name)
+    for name, ns, pid in _segments(shm_dir):
         if ns == my_ns:
             stale = not _pid_alive(pid)
         else:
             try:
-                stale = now - os.stat(path).st_mtime > _FOREIGN_MAX_AGE_S
+                stale = now - os.stat(os.path.join(shm_dir, name)).st_mtime > _FOREIGN_MAX_AGE_S
             except OSError:
                 continue
-        if stale:
-            try:
-                os.unlink(path)
-                removed.append(name)
-                logger.info("kaitian: removed stale shared memory %s (pid %s is gone)", name, pid)
-            except OSError:
-                pass
+        if stale and _unlink(shm_dir, name):
+            removed.append(name)
+            logger.info("kaitian: removed stale shared memory %s (pid %s is gone)", name, pid)
     return removed
 
 
@@ -101,17 +108,4 @@ def collect_namespace_segments(pid_ns: int, shm_dir: str = SHM_DIR) -> List[str]
     Returns:
         The names that were removed.
     """
-    removed: List[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        match = _NAME.match(name)
-        if match and int(match.group(1)) == pid_ns:
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
+    return [name for name, ns, _ in _segments(shm_dir) if ns == pid_ns and _unlink(shm_dir, name)]
