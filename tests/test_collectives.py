@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _collective_matrix as matrix  # noqa: E402
-from _rank_runner import Layout, cleanup, run_ranks, tail  # noqa: E402
+from support.ranks import Layout, cleanup, run_ranks, tail  # noqa: E402
 
 LAYOUTS = [
     Layout("1"),  # world size 1

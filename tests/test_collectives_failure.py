@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _failure_worker import PG_TIMEOUT  # noqa: E402
-from _rank_runner import Layout, cleanup, run_ranks, shm_segments, tail  # noqa: E402
+from support.ranks import Layout, cleanup, run_ranks, shm_segments, tail  # noqa: E402
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_failure_worker.py")
 

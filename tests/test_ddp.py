@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _ddp_worker import VARIANTS  # noqa: E402
-from _rank_runner import Layout, cleanup, run_ranks, tail  # noqa: E402
+from support.ranks import Layout, cleanup, run_ranks, tail  # noqa: E402
 
 LAYOUTS = [Layout("1+1"), Layout("2+1"), Layout("2+1", env=(("KAITIAN_INTRA", "gloo"),))]
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ddp_worker.py")

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 __all__ = ["Layout", "RankRun", "run_ranks", "free_port", "shm_segments"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,8 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
     procs, logs, outs = [], [], []
     start = time.monotonic()
     for rank, group in enumerate(groups):
+        log = os.path.join(workdir, f"rank{rank}.log")
+        out = os.path.join(workdir, f"rank{rank}.jsonl")
         env = dict(os.environ)
         for key in [k for k in env if k.startswith("KAITIAN_")]:
             del env[key]
@@ -116,9 +118,11 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
         if layout.kaitian_env:
             env.update({"KAITIAN_GROUP": group, "KAITIAN_DEVICE_TYPE": "cpu",
                         "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": run_dir})
+        # torchrun's worker environment: workers may use init_method="env://"
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(len(groups)), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(len(groups)), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "KT_OUT": out})
         env.update(dict(layout.env))
-        log = os.path.join(workdir, f"rank{rank}.log")
-        out = os.path.join(workdir, f"rank{rank}.jsonl")
         cmd = [sys.executable, *argv, "--rank", str(rank), "--world-size", str(len(groups)),
                "--groups", ",".join(groups), "--init-method", f"tcp://127.0.0.1:{port}", "--out", out]
         with open(log, "w") as fh:
