@@ -40,21 +40,6 @@ def _cpu_count() -> int:
     return 1
 
 
-def _cuda_pin(ptr: int, nbytes: int) -> bool:
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    # cudaHostRegisterPortable (1): pinned for every CUDA context in this process.
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)) == 0
-
-
-def _cuda_unpin(ptr: int) -> None:
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
 def _cuda_set_device(index: int) -> None:
     import torch
 
@@ -81,9 +66,6 @@ class Vendor:
         image: default container image for ``--runtime docker``.
         count: number of devices of this type on this host.
         set_device: makes a device index current for the process.
-        pin_host: registers host memory as pinned (DMA-able) with the vendor
-            runtime; returns whether it did.
-        unpin_host: undoes ``pin_host``.
     """
 
     name: str
@@ -94,8 +76,6 @@ class Vendor:
     image: str
     count: Callable[[], int]
     set_device: Optional[Callable[[int], None]] = None
-    pin_host: Optional[Callable[[int, int], bool]] = None
-    unpin_host: Optional[Callable[[int], None]] = None
     aliases: tuple = field(default=())
 
     def torch_device(self, index: Optional[int] = None) -> str:
@@ -122,8 +102,6 @@ VENDORS: Dict[str, Vendor] = {
             image="kaitian:cuda",
             count=_cuda_count,
             set_device=_cuda_set_device,
-            pin_host=_cuda_pin,
-            unpin_host=_cuda_unpin,
         ),
         Vendor(
             name="mlu",
