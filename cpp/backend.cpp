@@ -264,14 +264,18 @@ void KaitianBackend::waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
 }
 
 c10::intrusive_ptr<c10d::Backend> KaitianBackend::soleVendor(
-    const std::vector<at::Tensor>& tensors) const {
+    const std::vector<at::Tensor>& tensors, std::optional<RedOp::RedOpType> op) const {
   // Every rank in one vendor group: the vendor does the whole op, no host staging.
   if (!intraDevice_ || layout_.groupNames.size() != 1 || tensors.empty()) return {};
   for (const auto& t : tensors) {
     if (t.is_cpu() || !t.is_contiguous() || t.scalar_type() != tensors[0].scalar_type()) return {};
   }
-  return groupUsesVendor(0, tensors[0].scalar_type(), std::nullopt) ? intraDevice_
-                                                                     : c10::intrusive_ptr<c10d::Backend>();
+  // AVG and PREMUL_SUM stay ours (kaitian scales and divides; not every vendor does).
+  if (op && *op != RedOp::SUM && *op != RedOp::PRODUCT && *op != RedOp::MIN && *op != RedOp::MAX) {
+    return {};
+  }
+  return groupUsesVendor(0, tensors[0].scalar_type(), op) ? intraDevice_
+                                                          : c10::intrusive_ptr<c10d::Backend>();
 }
 
 PinnedRing& KaitianBackend::pinnedRing(c10::DeviceType type, int64_t bytes) {
@@ -597,6 +601,15 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& t
   return enqueue(*collectives_, OpType::REDUCE, "reduce", tensors, tensors, opts.timeout,
                  [this, t, op, root](const Deadline& dl) mutable {
                    if (t.numel() == 0) return -1;
+                   if (auto vendor = soleVendor({t}, op.op_)) {
+                     std::vector<at::Tensor> v{t};
+                     c10d::ReduceOptions o;
+                     o.reduceOp = op;
+                     o.rootRank = root;
+                     o.timeout = dl.timeout;
+                     waitVendor(vendor, vendor->reduce(v, o), dl);
+                     return -1;
+                   }
                    const bool isRoot = getRank() == root;
                    // Non-roots keep their input: reduce a copy.
                    at::Tensor flat = (isRoot && t.is_contiguous()) ? t.view({-1})
@@ -652,6 +665,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
                  {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
                    const int64_t m = out.numel();
                    if (m == 0) return -1;
+                   if (auto vendor = soleVendor({in, out}, op.op_)) {
+                     c10d::ReduceScatterOptions o;
+                     o.reduceOp = op;
+                     o.timeout = dl.timeout;
+                     waitVendor(vendor, vendor->_reduce_scatter_base(out, in, o), dl);
+                     return -1;
+                   }
                    at::Tensor flat = scratchCopy(in);
                    std::vector<Range> stripes(getSize());
                    for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};

@@ -122,8 +122,10 @@ class KaitianBackend : public c10d::Backend {
                        std::optional<c10d::ReduceOp::RedOpType> op) const;
   // The device vendor when it alone can run an op on these tensors for the
   // whole world (every rank in its group, contiguous device tensors of a dtype
-  // it carries); null otherwise.
-  c10::intrusive_ptr<c10d::Backend> soleVendor(const std::vector<at::Tensor>& tensors) const;
+  // it carries, and for reductions `op` one it reduces); null otherwise.
+  c10::intrusive_ptr<c10d::Backend> soleVendor(
+      const std::vector<at::Tensor>& tensors,
+      std::optional<c10d::ReduceOp::RedOpType> op = std::nullopt) const;
   // Waits for a vendor op, noticing the deadline and shutdown/abort.
   void waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
                   const c10::intrusive_ptr<c10d::Work>& work, const Deadline& dl);
