@@ -18,7 +18,7 @@ def backend_devices() -> list:
     torch_mlu has registered it), so torch routes their tensors to kaitian."""
     import torch
 
-    from kaitian.vendors import VENDORS
+    from kaitian.devices.vendors import VENDORS
 
     found = []
     for name in VENDORS:

@@ -23,15 +23,12 @@ import torch.distributed as dist
 from kaitian.backend import layout as _layout
 from kaitian.backend import shm_gc
 from kaitian.settings import Settings, settings
-from kaitian.vendors import VENDORS
+from kaitian.devices.vendors import VENDORS
+from kaitian.errors import BackendSetupError
 
 __all__ = ["create_kaitian_backend", "BackendSetupError"]
 
 logger = logging.getLogger(__name__)
-
-
-class BackendSetupError(RuntimeError):
-    """The backend cannot be built with this configuration (message says why)."""
 
 
 def _timeout_of(opts) -> timedelta:

@@ -16,12 +16,9 @@ from datetime import timedelta
 from typing import Dict, List, Optional
 
 from kaitian.settings import Settings
+from kaitian.errors import LayoutError
 
 __all__ = ["RankInfo", "Layout", "LayoutError", "local_rank_info", "exchange_infos", "build_layout"]
-
-
-class LayoutError(RuntimeError):
-    """The ranks' records are inconsistent (say which variable to fix)."""
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from kaitian import vendors as _vendors
-from kaitian.launcher import _elastic as _te
+from kaitian.devices import vendors as _vendors
+from kaitian import _torch as _te
 from kaitian.launcher.layout import Slot, lay_out
 from kaitian.launcher.logs import line_prefixes
 from kaitian.launcher.plan import WorkerPlan

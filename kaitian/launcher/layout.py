@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from kaitian.vendors import vendor_names
+from kaitian.devices.vendors import vendor_names
 
 __all__ = ["Slot", "Placement", "lay_out"]
 

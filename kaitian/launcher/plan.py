@@ -15,15 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kaitian.launcher.devices import Device, discover, parse_devices_flag, select
+from kaitian.devices.inventory import Device, discover, parse_devices_flag, select
+from kaitian.errors import PlanError
 
 __all__ = ["WorkerPlan", "PlanError", "parse_cpu_quota", "plan_workers"]
 
 logger = logging.getLogger(__name__)
-
-
-class PlanError(ValueError):
-    """The kaitian flags describe a layout that cannot be built on this node."""
 
 
 @dataclass(frozen=True)

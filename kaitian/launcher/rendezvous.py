@@ -20,7 +20,7 @@ import json
 import logging
 from typing import List, Optional, Sequence, Tuple
 
-from kaitian.launcher import _elastic as _te
+from kaitian import _torch as _te
 from kaitian.launcher.layout import Slot
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 __all__ = ["Layout", "RankRun", "run_ranks", "free_port", "shm_segments"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support import REPO, TESTS
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
         env = dict(os.environ)
         for key in [k for k in env if k.startswith("KAITIAN_")]:
             del env[key]
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, TESTS, env.get("PYTHONPATH")])),
                     "KT_MATRIX_MARKERS": os.path.join(workdir, "markers"), "PYTHONUNBUFFERED": "1"})
         if layout.kaitian_env:
             env.update({"KAITIAN_GROUP": group, "KAITIAN_DEVICE_TYPE": "cpu",

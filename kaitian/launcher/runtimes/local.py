@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Dict, List, Optional, Tuple
 
-from kaitian.launcher import _elastic as _te
+from kaitian import _torch as _te
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
 from kaitian.launcher.runtimes.cpu_limits import (
     CgroupQuota,
