@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from kaitian.devices.utilisation import device_utilisation
 from kaitian.settings import settings
 
 __all__ = ["StepRecorder", "recorder_for_this_rank", "AgentMonitor", "read_jsonl"]
@@ -113,44 +114,6 @@ def read_jsonl(path: str) -> List[dict]:
     return out
 
 
-def _nvidia_utilisation() -> Dict[str, float]:
-    """``{"cuda:<i>": percent}`` from nvidia-smi (empty when unavailable)."""
-    from kaitian.devices.vendors import has_tool, run_tool
-
-    if not has_tool("nvidia-smi"):
-        return {}
-    out = run_tool(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits"], 5.0)
-    result: Dict[str, float] = {}
-    for line in (out or "").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit():
-            try:
-                result[f"cuda:{parts[0]}"] = float(parts[1])
-            except ValueError:
-                pass
-    return result
-
-
-def _cnmon_utilisation() -> Dict[str, float]:
-    """``{"mlu:<i>": percent}`` from ``cnmon info -u`` (empty when unavailable)."""
-    from kaitian.devices.vendors import has_tool, run_tool
-
-    if not has_tool("cnmon"):
-        return {}
-    out = run_tool(["cnmon", "info", "-u"], 5.0) or ""
-    result: Dict[str, float] = {}
-    card = None
-    for line in out.splitlines():
-        m = re.match(r"\s*Card\s*(\d+)", line, re.IGNORECASE)
-        if m:
-            card = int(m.group(1))
-            continue
-        m = re.search(r"MLU Average\s*:\s*([\d.]+)\s*%", line)
-        if m and card is not None:
-            result[f"mlu:{card}"] = float(m.group(1))
-    return result
-
-
 class AgentMonitor:
     """Samples the workers' utilisation while a job runs; reports at the end.
 
@@ -220,12 +183,7 @@ class AgentMonitor:
 
         with self._lock:
             pids, devices = dict(self._pids), dict(self._devices)
-        accel: Dict[str, float] = {}
-        kinds = {d.split(":")[0] for d in devices.values()}
-        if "cuda" in kinds:
-            accel.update(_nvidia_utilisation())
-        if "mlu" in kinds:
-            accel.update(_cnmon_utilisation())
+        accel = device_utilisation({d.split(":")[0] for d in devices.values()})
         now = time.time()
         samples = []
         for rank, pid in sorted(pids.items()):
