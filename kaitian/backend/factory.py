@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kaitian import _torch as _te
-from kaitian.backend import layout as _layout
+from kaitian.backend import groups as _layout
 from kaitian.backend import shm_gc
 from kaitian.settings import Settings, settings
 from kaitian.devices.vendors import VENDORS
