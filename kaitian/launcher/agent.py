@@ -262,6 +262,9 @@ class KaitianAgent(_te.SimpleElasticAgent):
             plan = self._plans[local_rank]
             env = self._torchrun_env(worker_group, worker, restart_count)
             env.update(self._kaitian_env(plan, start_dir))
+            if spec.virtual_local_rank and plan.device.type == "cuda":
+                # torchrun shows worker i the i-th GPU; kaitian shows it its planned one
+                env["CUDA_VISIBLE_DEVICES"] = plan.device.uuid or str(plan.device.index)
             envs[local_rank] = env
             args[local_rank] = tuple(_te.macros.substitute(list(spec.args), str(local_rank)))
             launches[local_rank] = WorkerLaunch(

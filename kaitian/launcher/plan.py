@@ -99,8 +99,9 @@ def plan_workers(
         cpu_slots: ``--cpu-slots``.
         cpu_groups: ``--cpu-groups``.
         cpu_quota: ``--cpu-quota`` values (one, or one per CPU group).
-        env: environment holding ``USE_<VENDOR>`` (default ``os.environ``).
-        devices: the inventory (default: discovered, fast path).
+        env: environment holding ``USE_<VENDOR>`` and the host's visibility
+            variables (default ``os.environ``).
+        devices: the inventory (default: discovered, physical indices).
 
     Returns:
         One plan per local rank.
@@ -110,7 +111,7 @@ def plan_workers(
         PlanError: inconsistent kaitian flags.
     """
     if devices is None:
-        devices = discover(cpu_slots, detail=False)
+        devices = discover(cpu_slots, env=env)
     flag = parse_devices_flag(devices_flag) if devices_flag else None
     selected = select(devices, env=env, flag=flag)
     accels = [d for d in selected if d.type != "cpu"]

@@ -84,8 +84,9 @@ def from_sysfs(sys_root: str = PCI_ROOT) -> List[Device]:
     ]
 
 
-def probe(sys_root: str = PCI_ROOT, dev_root: str = DEV_ROOT) -> List[Device]:
+def probe(sys_root: Optional[str] = None, dev_root: Optional[str] = None) -> List[Device]:
     """This host's MLUs: ``cnmon``, else device nodes, else PCI sysfs."""
+    sys_root, dev_root = sys_root or PCI_ROOT, dev_root or DEV_ROOT
     out = run_tool(["cnmon", "info"])
     if out is not None:
         found = from_cnmon(out, sys_root)

@@ -142,8 +142,9 @@ def from_sysfs(sys_root: str = PCI_ROOT) -> List[Device]:
     ]
 
 
-def probe(sys_root: str = PCI_ROOT) -> List[Device]:
+def probe(sys_root: Optional[str] = None) -> List[Device]:
     """This host's GPUs, physical indices: NVML, else ``nvidia-smi``, else PCI sysfs."""
+    sys_root = sys_root or PCI_ROOT
     with nvml() as nv:
         if nv is not None:
             return from_nvml(nv, sys_root)
