@@ -57,8 +57,10 @@ def parse_devices_flag(spec: str) -> Dict[str, str]:
     return result
 
 
-def _none_found(label: str, raw: str, kind: str, inventory: str) -> DeviceSelectionError:
+def _none_found(label: str, raw: str, kind: str, inventory: str, indices: Sequence[int] = ()) -> DeviceSelectionError:
     asked = "--devices " + kind if (label.startswith("--devices") and raw == "all") else f"{label}={raw}"
+    if indices:
+        asked += f": no such device {', '.join(str(i) for i in indices)}"
     return DeviceSelectionError(
         f"{asked}: no {kind} device found on this host (looked in {vendor(kind).sources}); "
         f"this host has: {inventory}"
@@ -83,7 +85,7 @@ def _parse_use(label: str, raw: str, kind: str, have: List[Device], inventory: s
             )
         indices.append(int(part))
     if not have and kind != "cpu":
-        raise _none_found(label, raw, kind, inventory)
+        raise _none_found(label, raw, kind, inventory, indices)
     known = {d.index for d in have}
     missing = [i for i in indices if i not in known]
     if missing:

@@ -17,7 +17,7 @@ from kaitian.devices.vendors import nvidia
     "extra_env, flags, says",
     [
         ({}, ["--devices", "cuda"], "--devices cuda: no cuda device found on this host"),
-        ({"USE_CUDA": "0"}, [], "USE_CUDA=0: no cuda device found on this host"),
+        ({"USE_CUDA": "0"}, [], "USE_CUDA=0: no such device 0: no cuda device found on this host"),
     ],
 )
 def test_request_for_absent_gpus_is_a_one_line_error(tmp_path, extra_env, flags, says):
