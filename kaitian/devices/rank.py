@@ -51,8 +51,9 @@ def rank_device(env: Optional[Mapping[str, str]] = None, rank: Optional[int] = N
     """This rank's device: the launcher's (``KAITIAN_DEVICE_*``), else inferred.
 
     Inferred (no launcher): the first vendor in table order torch sees a device
-    of, device ``rank % count`` (``rank`` defaults to ``LOCAL_RANK``); the
-    index is then torch's ordinal, as nothing physical is known. Else the CPU.
+    of, device ``KAITIAN_DEVICE_INDEX`` if set, else ``rank % count`` (``rank``
+    defaults to ``LOCAL_RANK``); the index is then torch's ordinal, as nothing
+    physical is known. Else the CPU.
 
     Raises:
         UnknownVendorError: ``KAITIAN_DEVICE_TYPE`` names no known type.
@@ -66,9 +67,11 @@ def rank_device(env: Optional[Mapping[str, str]] = None, rank: Optional[int] = N
     if not accelerators:
         return WorkerDevice("cpu", 0, env.get("KAITIAN_GROUP") or "cpu")
     v = accelerators[0]
-    if rank is None:
-        rank = int(env.get("LOCAL_RANK", "0") or 0)
-    return WorkerDevice(v.name, rank % max(1, v.count()), env.get("KAITIAN_GROUP") or v.name)
+    if env.get("KAITIAN_DEVICE_INDEX"):
+        index = WorkerDevice.from_env({**env, "KAITIAN_DEVICE_TYPE": v.name}).index  # type: ignore[union-attr]
+    else:
+        index = (int(env.get("LOCAL_RANK", "0") or 0) if rank is None else rank) % max(1, v.count())
+    return WorkerDevice(v.name, index, env.get("KAITIAN_GROUP") or v.name)
 
 
 def torch_device_of(dev: WorkerDevice, env: Optional[Mapping[str, str]] = None) -> str:

@@ -18,13 +18,7 @@ from kaitian.devices.visible import VISIBLE_INDICES_ENV
 from kaitian.errors import DeviceSelectionError
 
 __all__ = [
-    "PCI_VENDOR",
-    "SOURCES",
-    "probe",
-    "utilisation",
-    "container_devices",
-    "count",
-    "set_device",
+    "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device",
 ]
 
 PCI_VENDOR = 0xCABC

@@ -19,14 +19,7 @@ from kaitian.devices.vendors.tools import run_tool
 from kaitian.devices.visible import VISIBLE_INDICES_ENV
 
 __all__ = [
-    "PCI_VENDOR",
-    "SOURCES",
-    "probe",
-    "utilisation",
-    "container_devices",
-    "count",
-    "set_device",
-    "pin_host",
+    "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device", "pin_host",
     "unpin_host",
 ]
 
