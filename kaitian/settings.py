@@ -11,12 +11,9 @@ import os
 import tempfile
 from dataclasses import dataclass
 from typing import Mapping, Optional
+from kaitian.errors import SettingError
 
 __all__ = ["Settings", "settings", "SettingError"]
-
-
-class SettingError(ValueError):
-    """A ``KAITIAN_*`` variable holds a value kaitian cannot use."""
 
 
 def _int(env: Mapping[str, str], name: str, default: Optional[int]) -> Optional[int]:

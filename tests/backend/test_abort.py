@@ -15,9 +15,10 @@ import os
 
 import pytest
 
+from support import worker
 from support.ranks import Layout, cleanup, run_ranks, tail
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "abort.py")
+WORKER = worker("abort")
 BOUND_S = 4.0  # vs the 60 s group timeout
 
 LAYOUTS = [

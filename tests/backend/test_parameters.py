@@ -13,9 +13,10 @@ import os
 
 import pytest
 
+from support import worker
 from support.ranks import Layout, cleanup, run_ranks, tail
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "parameters.py")
+WORKER = worker("parameters")
 CASES = [f"{op}-{layout}{suffix}" for layout in ("contiguous", "noncontig", "channels_last")
          for op in ("broadcast", "all_reduce") for suffix in ("", "-async")]
 
