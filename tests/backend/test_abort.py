@@ -11,7 +11,6 @@ step inside its group, ranks stuck in the shared-memory and TCP bridges.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
