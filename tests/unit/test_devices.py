@@ -8,7 +8,6 @@ PCI sysfs and ``/dev`` by trees built in tmp dirs.
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
