@@ -357,3 +357,15 @@ def test_kaitian_device_lands_on_physical_gpu_3(monkeypatch, env):
     for k, v in {"KAITIAN_DEVICE_TYPE": "cuda", "KAITIAN_DEVICE_INDEX": "3", **env}.items():
         monkeypatch.setenv(k, v)
     assert kaitian.device() == torch.device("cuda:1")
+
+
+def test_an_nvml_that_fails_after_init_falls_back(monkeypatch, no_tools, tmp_path):
+    nv = use_nvml(monkeypatch, RTX_4090)
+
+    def broken():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    nv.nvmlDeviceGetCount = broken
+    root = pci_tree(tmp_path / "pci", [("0000:01:00.0", 0x10DE, 0x030000, 0, "0-7")])
+    assert [(d.key, d.source) for d in nvidia.probe(sys_root=root)] == [("cuda:0", "sysfs")]
+    assert nv.state["init"] == 0

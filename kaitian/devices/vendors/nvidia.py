@@ -140,7 +140,10 @@ def probe(sys_root: Optional[str] = None) -> List[Device]:
     sys_root = sys_root or PCI_ROOT
     with nvml() as nv:
         if nv is not None:
-            return from_nvml(nv, sys_root)
+            try:
+                return from_nvml(nv, sys_root)
+            except Exception:  # NVML up but unusable (e.g. driver/library mismatch): ask the others
+                pass
     out = run_tool(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits"])
     if out is not None:
         return from_smi(out, sys_root)
