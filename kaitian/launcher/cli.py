@@ -208,6 +208,7 @@ def run(args: argparse.Namespace) -> None:
     if plans is None:
         plans = plan_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
 
+    settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
     if args.runtime == "local" and any(p.cpu_quota is not None for p in plans):
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
     images = _images(args.image)
