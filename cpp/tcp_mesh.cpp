@@ -296,10 +296,14 @@ class MeshBuilder {
       Conn c;
       c.fd = fd;
       c.addr = addrText(a);
-      const auto pending = std::count_if(conns_.begin(), conns_.end(), [](const Conn& x) { return x.dial < 0; });
-      if (pending >= 4 * size_ + 32) {
-        drop(c, "too many connections are waiting for their handshake");
-        continue;
+      // Real ranks finish their handshake in milliseconds: when too many connections
+      // wait without a proof, the oldest such one makes room (a flood cannot lock ranks out).
+      const auto unproven = [](const Conn& x) {
+        return x.fd >= 0 && x.dial < 0 && x.step <= Conn::Step::ReadHello;
+      };
+      if (std::count_if(conns_.begin(), conns_.end(), unproven) >= 4 * size_ + 32) {
+        drop(*std::find_if(conns_.begin(), conns_.end(), unproven),
+             "too many connections were waiting for their handshake; dropped the oldest");
       }
       tune(fd);
       c.nonceS = randomBytes(kNonceBytes);

@@ -47,16 +47,30 @@ def _shared_random(store, rank: int, key: str, nbytes: int, timeout: timedelta) 
     return store.get(key).decode()
 
 
+_KEY_GIVEN = "given"  # what rank 0 publishes instead of a key when KAITIAN_JOB_KEY is set
+
+
 def _bridge_key(store, rank: int, s: Settings, timeout: timedelta) -> bytes:
     """The secret TCP bridge peers prove they hold.
 
     ``KAITIAN_JOB_KEY`` (from the user, the scheduler or kaitianrun) is never
-    written anywhere. Without it (plain torchrun) each group makes its own and
-    shares it through its store: then whoever can read that store can join.
+    written anywhere; rank 0 only says that it has one, so a rank without it
+    fails with a clear line. Without it (plain torchrun) rank 0 makes a key per
+    group and shares it through the group's store: then whoever can read that
+    store can join.
     """
-    if s.job_key:
-        return s.job_key.encode()
-    return _shared_random(store, rank, "kaitian/bridge_key", 32, timeout).encode()
+    key = "kaitian/bridge_key"
+    if rank == 0:
+        store.set(key, _KEY_GIVEN if s.job_key else secrets.token_hex(32))
+    store.wait([key], timeout)
+    shared = store.get(key).decode()
+    if (shared == _KEY_GIVEN) != bool(s.job_key):
+        has, lacks = ("rank 0", "this rank") if shared == _KEY_GIVEN else ("this rank", "rank 0")
+        raise BackendSetupError(
+            f"KAITIAN_JOB_KEY is set on {has} but not on {lacks}; "
+            "set the same KAITIAN_JOB_KEY on every rank, or on none"
+        )
+    return (s.job_key or shared).encode()
 
 
 def _check_private_dir(path: str) -> None:

@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> None:
         ChildFailedError / SignalException: as torchrun.
     """
     _check_script(args)
+    settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
     _resolve_rendezvous(args)
     known = _te.rendezvous_backend_names()
     if args.rdzv_backend not in known:
@@ -208,7 +209,6 @@ def run(args: argparse.Namespace) -> None:
     if plans is None:
         plans = plan_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
 
-    settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
     if args.runtime == "local" and any(p.cpu_quota is not None for p in plans):
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
     images = _images(args.image)

@@ -172,8 +172,36 @@ def test_stranger_on_rank0_port_is_dropped_and_the_job_trains(behaviour):
         for got in stranger.received:  # rank 0 sent a challenge at most, never a welcome
             assert got == b"" or (got[:8] == MAGIC and len(got) == CHALLENGE.size), got
         assert len(re.findall(DROPPED[behaviour], _log(run, 0))) == 2, _log(run, 0)
-        assert not run.leftover_shm
     finally:
+        cleanup(run)
+
+
+def test_flood_of_silent_connections_does_not_lock_the_real_rank_out():
+    """60 silent connections reach rank 0 before rank 1: the oldest unproven ones make room."""
+    port = free_port()
+    socks = []
+
+    def flood():
+        deadline = time.monotonic() + 30
+        while len(socks) < 60 and time.monotonic() < deadline:
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:
+                time.sleep(0.002)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    run = _run("1+1", rank_env={"0": {"KAITIAN_BRIDGE_PORTS": f"{port}-{port}"}}, delay={"1": 3})
+    try:
+        flooder.join(timeout=5)
+        assert len(socks) == 60
+        for rank in (0, 1):
+            assert run.returncodes[rank] == 0, tail(run.logs[rank])
+            assert _event(run, rank, "allreduce")["value"] == [3.0] * 4
+        assert "too many connections were waiting for their handshake; dropped the oldest" in _log(run, 0)
+    finally:
+        for s in socks:
+            s.close()
         cleanup(run)
 
 
@@ -293,14 +321,22 @@ def test_hmac_sha256_matches_python():
 
 
 def test_job_key_is_never_written_to_the_store():
+    five = factory.timedelta(seconds=5)
+    given, unset = Settings.from_env({"KAITIAN_JOB_KEY": "k" * 32}), Settings.from_env({})
     store = dist.HashStore()
-    s = Settings.from_env({"KAITIAN_JOB_KEY": "k" * 32})
-    assert factory._bridge_key(store, 0, s, factory.timedelta(seconds=5)) == b"k" * 32
-    assert store.num_keys() == 0
-    # No key: rank 0 makes one per group and shares it through the group's store.
-    s = Settings.from_env({})
-    key = factory._bridge_key(store, 0, s, factory.timedelta(seconds=5))
-    assert len(key) == 64 and factory._bridge_key(store, 1, s, factory.timedelta(seconds=5)) == key
+    assert factory._bridge_key(store, 0, given, five) == b"k" * 32
+    assert factory._bridge_key(store, 1, given, five) == b"k" * 32
+    assert store.num_keys() == 1 and store.get("kaitian/bridge_key") == b"given"  # only that it is set
+    with pytest.raises(factory.BackendSetupError) as err:
+        factory._bridge_key(store, 1, unset, five)
+    assert str(err.value) == ("KAITIAN_JOB_KEY is set on rank 0 but not on this rank; set the same "
+                              "KAITIAN_JOB_KEY on every rank, or on none")
+    # No key anywhere (plain torchrun): rank 0 makes one per group, shared through its store.
+    store = dist.HashStore()
+    key = factory._bridge_key(store, 0, unset, five)
+    assert re.fullmatch(rb"[0-9a-f]{64}", key) and factory._bridge_key(store, 1, unset, five) == key
+    with pytest.raises(factory.BackendSetupError, match="set on this rank but not on rank 0"):
+        factory._bridge_key(store, 1, given, five)
 
 
 def test_short_job_key_is_a_one_line_error():
@@ -337,7 +373,7 @@ def test_unsafe_run_dir_is_refused(tmp_path, how):
             err = _event(run, rank, "error")
             assert err["message"] == message and err["type"] == "BackendSetupError"
             assert err["seconds"] < 10
-        assert os.listdir(path) == [] and not run.leftover_shm
+        assert os.listdir(path) == []  # refused before any store file or segment exists
     finally:
         cleanup(run)
 
