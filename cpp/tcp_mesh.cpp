@@ -212,8 +212,12 @@ class MeshBuilder {
     std::string what;
     for (const auto& d : dials_) {
       if (!d.done) {
+        const bool unreachable = d.lastError.empty() || d.lastError.rfind("connect failed", 0) == 0;
         what = "connecting to rank " + std::to_string(d.peer) + " at " + d.addrText + ": " +
-               (d.lastError.empty() ? "no answer" : d.lastError);
+               (d.lastError.empty() ? "no answer" : d.lastError) +
+               (unreachable ? " (a firewall? open KAITIAN_BRIDGE_PORTS between the hosts, or set "
+                              "KAITIAN_BRIDGE_ADDR to an address the peers can reach)"
+                            : "");
         break;
       }
     }
