@@ -26,6 +26,7 @@ constexpr size_t kChallengeBytes = 8 + 3 * 4 + kNonceBytes;   // magic, version,
 constexpr size_t kHelloBytes = 8 + 4 * 4 + kNonceBytes + 32;  // ... channel, nonce, proof
 constexpr size_t kWelcomeBytes = 32;                          // the server's proof
 constexpr int kMaxLoggedDrops = 20;
+constexpr int kMaxUnproven = 16;  // plus two per rank: connections waiting for a hello
 constexpr auto kFirstRetry = std::chrono::milliseconds(50);
 constexpr auto kLastRetry = std::chrono::milliseconds(2000);
 
@@ -305,7 +306,7 @@ class MeshBuilder {
       const auto unproven = [](const Conn& x) {
         return x.fd >= 0 && x.dial < 0 && x.step <= Conn::Step::ReadHello;
       };
-      if (std::count_if(conns_.begin(), conns_.end(), unproven) >= 4 * size_ + 32) {
+      if (std::count_if(conns_.begin(), conns_.end(), unproven) >= kMaxUnproven + 2 * size_) {
         drop(*std::find_if(conns_.begin(), conns_.end(), unproven),
              "too many connections were waiting for their handshake; dropped the oldest");
       }

@@ -177,13 +177,14 @@ def test_stranger_on_rank0_port_is_dropped_and_the_job_trains(behaviour):
 
 
 def test_flood_of_silent_connections_does_not_lock_the_real_rank_out():
-    """60 silent connections reach rank 0 before rank 1: the oldest unproven ones make room."""
+    """Silent connections reach rank 0 before rank 1, more than it keeps waiting (16 + 2 per
+    rank): the oldest unproven ones make room, and rank 1 gets in."""
     port = free_port()
     socks = []
 
     def flood():
         deadline = time.monotonic() + 30
-        while len(socks) < 60 and time.monotonic() < deadline:
+        while len(socks) < 40 and time.monotonic() < deadline:
             try:
                 socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
             except OSError:
@@ -194,7 +195,7 @@ def test_flood_of_silent_connections_does_not_lock_the_real_rank_out():
     run = _run("1+1", rank_env={"0": {"KAITIAN_BRIDGE_PORTS": f"{port}-{port}"}}, delay={"1": 3})
     try:
         flooder.join(timeout=5)
-        assert len(socks) == 60
+        assert len(socks) >= 30, len(socks)  # well over the 20 rank 0 keeps waiting
         for rank in (0, 1):
             assert run.returncodes[rank] == 0, tail(run.logs[rank])
             assert _event(run, rank, "allreduce")["value"] == [3.0] * 4
