@@ -403,7 +403,7 @@ class MeshBuilder {
   void checkHeader(const Conn& c) const {
     const uint32_t version = getU32(c.in, 8), size = getU32(c.in, 12);
     if (version != kTcpProtocolVersion) {
-      throw Refused{"it speaks bridge protocol " + std::to_string(version) + ", this rank " +
+      throw Refused{"it speaks bridge protocol " + std::to_string(version) + ", this rank speaks " +
                     std::to_string(kTcpProtocolVersion) + " (another kaitian version?)"};
     }
     if (size != static_cast<uint32_t>(size_)) {

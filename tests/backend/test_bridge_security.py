@@ -89,6 +89,8 @@ class Stranger(threading.Thread):
             s.sendall(struct.pack("<ii", 1, channel) + struct.pack("<16f", *[1000.0] * 16))
         elif self.behaviour == "malformed":
             s.sendall(struct.pack("<ii", 99, 7))
+        elif self.behaviour == "other_version":  # a kaitian of another bridge protocol
+            s.sendall(HELLO.pack(MAGIC, 99, 2, 1, channel, bytes(32), bytes(32)))
         elif self.behaviour == "other_job":  # speaks the protocol, holds another job's key
             s.settimeout(10)
             head = b""
@@ -143,6 +145,8 @@ DROPPED = {
     "claims_rank1": r"dropped a connection from 127\.0\.0\.1:\d+: not a kaitian bridge hello",
     "malformed": r"dropped a connection from 127\.0\.0\.1:\d+: not a kaitian bridge hello",
     "silent": r"dropped a connection from 127\.0\.0\.1:\d+: no hello before the group was complete",
+    "other_version": r"dropped a connection from 127\.0\.0\.1:\d+: it speaks bridge protocol 99, this "
+                     r"rank speaks \d+ \(another kaitian version\?\)",
     "other_job": r"dropped a connection from 127\.0\.0\.1:\d+ \(claims rank 1, channel [01]\): "
                  r"its proof does not match this job's key",
 }
