@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENVDUMP = os.path.join(REPO, "tests", "launcher_scripts", "envdump.py")
+ENVDUMP = os.path.join(REPO, "tests", "workers", "envdump.py")
 
 
 def _kaitianrun(out, **extra):
