@@ -21,27 +21,12 @@ namespace kaitian {
 
 namespace {
 
-struct Hello {
-  int32_t rank;
-  int32_t channel;  // 0 collectives, 1 point-to-point
-};
-
 struct P2PHeader {
   int64_t tag;
   int64_t bytes;
 };
 
 std::string errnoText() { return std::strerror(errno); }
-
-void setNonBlocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
-
-void tune(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  int buf = 4 << 20;
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
-}
 
 int pollTimeoutMs(const Deadline& dl) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(dl.at - Clock::now());
@@ -75,77 +60,11 @@ void ioAll(int fd, uint8_t* p, int64_t n, bool isSend, int peer, const Deadline&
 }  // namespace
 
 TcpBridge::TcpBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                     const std::string& host, std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), coll_(size, -1), p2p_(size, -1) {
-  const auto dl = Deadline::after(timeout, "TCP bridge setup", nullptr);
-  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(lfd >= 0, "kaitian: cannot create a TCP socket: ", errnoText());
-  try {
-    int one = 1;
-    ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = 0;
-    TORCH_CHECK(::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1,
-                "kaitian: TCP bridge address ", host, " is not an IPv4 address");
-    TORCH_CHECK(::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0,
-                "kaitian: cannot listen on ", host, ": ", errnoText());
-    TORCH_CHECK(::listen(lfd, 2 * size + 8) == 0, "kaitian: listen failed: ", errnoText());
-    socklen_t len = sizeof(addr);
-    ::getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len);
-    const std::string me = host + ":" + std::to_string(ntohs(addr.sin_port));
-    store->set("kaitian/tcp/" + std::to_string(rank), std::vector<uint8_t>(me.begin(), me.end()));
-    // Connect to lower ranks (their listen backlog accepts before they call accept).
-    for (int s = 0; s < rank; ++s) {
-      const std::string key = "kaitian/tcp/" + std::to_string(s);
-      store->wait({key}, timeout);
-      auto raw = store->get(key);
-      const std::string peer(raw.begin(), raw.end());
-      const auto colon = peer.rfind(':');
-      sockaddr_in pa{};
-      pa.sin_family = AF_INET;
-      pa.sin_port = htons(static_cast<uint16_t>(std::stoi(peer.substr(colon + 1))));
-      ::inet_pton(AF_INET, peer.substr(0, colon).c_str(), &pa.sin_addr);
-      for (int channel = 0; channel < 2; ++channel) {
-        int fd = -1;
-        while (true) {
-          fd = ::socket(AF_INET, SOCK_STREAM, 0);
-          if (::connect(fd, reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
-          ::close(fd);
-          if (dl.expired()) {
-            TORCH_CHECK(false, "kaitian: cannot connect to rank ", s, " at ", peer, ": ",
-                        errnoText(), " (firewall? set KAITIAN_BRIDGE_ADDR to a reachable address)");
-          }
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        tune(fd);
-        Hello h{rank, channel};
-        TORCH_CHECK(::send(fd, &h, sizeof(h), MSG_NOSIGNAL) == sizeof(h),
-                    "kaitian: handshake with rank ", s, " failed");
-        (channel == 0 ? coll_ : p2p_)[s] = fd;
-      }
-    }
-    // Accept higher ranks.
-    for (int pending = 2 * (size - 1 - rank); pending > 0; --pending) {
-      struct pollfd pfd{lfd, POLLIN, 0};
-      while (::poll(&pfd, 1, pollTimeoutMs(dl)) <= 0) dl.check("peers to connect");
-      const int fd = ::accept(lfd, nullptr, nullptr);
-      TORCH_CHECK(fd >= 0, "kaitian: accept failed: ", errnoText());
-      tune(fd);
-      Hello h{};
-      TORCH_CHECK(::recv(fd, &h, sizeof(h), MSG_WAITALL) == sizeof(h) && h.rank > rank &&
-                      h.rank < size && (h.channel == 0 || h.channel == 1),
-                  "kaitian: unexpected connection on the TCP bridge port");
-      (h.channel == 0 ? coll_ : p2p_)[h.rank] = fd;
-    }
-    ::close(lfd);
-  } catch (...) {
-    ::close(lfd);
-    close();
-    throw;
-  }
-  for (int fd : coll_) if (fd >= 0) setNonBlocking(fd);
-  for (int fd : p2p_) if (fd >= 0) setNonBlocking(fd);
+                     const MeshOptions& opts, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size) {
+  Mesh mesh = connectMesh(*store, rank, size, opts, timeout);
+  coll_ = std::move(mesh.coll);
+  p2p_ = std::move(mesh.p2p);
 }
 
 TcpBridge::~TcpBridge() { close(); }

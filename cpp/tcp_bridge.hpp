@@ -8,14 +8,15 @@
 #include <mutex>
 
 #include "bridge.hpp"
+#include "tcp_mesh.hpp"
 
 namespace kaitian {
 
 class TcpBridge : public Bridge {
  public:
-  // Listens on `host` (an address of this machine peers can reach), publishes it
-  // through `store` and connects to every peer within `timeout`.
-  TcpBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const std::string& host,
+  // Builds the mesh of authenticated connections to every peer within `timeout`
+  // (see tcp_mesh.hpp: listen address, port range, job key).
+  TcpBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const MeshOptions& opts,
             std::chrono::milliseconds timeout);
   ~TcpBridge() override;
 
