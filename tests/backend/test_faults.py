@@ -1,0 +1,140 @@
+"""Fail-stop: after any error every rank raises, naming the first failure; never a mixed result.
+
+Each case runs real ranks (tests/workers/faults.py) on the shared-memory bridge
+and on TCP (``KAITIAN_BRIDGE=tcp``) and asserts, per rank and op, the exact
+outcome: the right value, or an error with the expected text within a bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from support.ranks import Layout, cleanup, run_ranks, tail
+
+_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "faults.py")
+_BRIDGES = [pytest.param((), id="shm"), pytest.param((("KAITIAN_BRIDGE", "tcp"),), id="tcp")]
+
+
+def _run(spec: str, env: tuple, scenario: str, timeout: float, limit: float = 90):
+    run = run_ranks(Layout(spec, env=env), [_WORKER, "--scenario", scenario, "--timeout", str(timeout)],
+                    timeout=limit)
+    steps = {}
+    for rank, path in enumerate(run.outs):
+        if os.path.exists(path):
+            with open(path) as fh:
+                for line in fh:
+                    rec = json.loads(line)
+                    steps[(rank, rec["step"])] = rec
+    logs = "\n".join(f"--- rank {r} ---\n{tail(p, 20)}" for r, p in enumerate(run.logs))
+    return run, steps, logs
+
+
+@pytest.mark.parametrize("env", _BRIDGES)
+def test_late_rank_breaks_the_group_on_every_rank(env) -> None:
+    """Rank 1 is late: rank 0 times out, then every later op raises on both; a new group works."""
+    T = 3.0
+    run, steps, logs = _run("1+1", env, "late", T)
+    try:
+        assert not run.timed_out, logs
+        first, second = steps[(0, "first")], steps[(0, "second")]
+        assert not first["ok"] and "timed out" in first["error"], first
+        assert T * 0.8 < first["seconds"] < T * 2, first
+        # today: 110 = this input + the late rank's first input (mixed rounds)
+        assert not second["ok"], f"second all_reduce after a timeout returned {second['value']}"
+        assert "broken" in second["error"] and "rank 0" in second["error"] and "all_reduce" in second["error"], \
+            second["error"]
+        assert "timed out" in second["error"], second["error"]
+        assert second["seconds"] < 1.0, second
+        # The late rank: no value computed from mismatched rounds, and by its second op it knows.
+        for step in ("first", "second"):
+            rec = steps[(1, step)]
+            if rec["ok"]:
+                assert rec["value"] == [2.0] * 8, rec
+            else:
+                assert "rank 0" in rec["error"], rec
+                assert rec["seconds"] < T, rec
+        assert not steps[(1, "second")]["ok"], steps[(1, "second")]
+        # A new process group starts clean.
+        for r in (0, 1):
+            assert steps[(r, "new_group")] == {**steps[(r, "new_group")], "ok": True, "value": [3.0] * 8}
+    finally:
+        cleanup(run)
+
+
+# The two calls each rank's error must name (split sizes: the pair that disagrees).
+_MISMATCH = {
+    "op": ("rank 0 called all_reduce(float32, 32 B, SUM)", "rank 1 called broadcast(float32, 32 B, root 0)"),
+    "size": ("all_reduce(float32, 32 B, SUM)", "all_reduce(float32, 64 B, SUM)"),
+    "dtype": ("all_reduce(float32, 32 B, SUM)", "all_reduce(int32, 32 B, SUM)"),
+    "root": ("broadcast(float32, 32 B, root 0)", "broadcast(float32, 32 B, root 1)"),
+    "redop": ("all_reduce(float32, 32 B, SUM)", "all_reduce(float32, 32 B, MAX)"),
+    "split": (re.compile(r"rank [01] sends (4 B to rank 1, which expects 8|8 B to rank 0, which expects 4) B"),),
+}
+
+
+@pytest.mark.parametrize("env", _BRIDGES)
+@pytest.mark.parametrize("kind", sorted(_MISMATCH))
+def test_mismatched_collectives_raise_on_every_rank(kind: str, env) -> None:
+    T = 5.0
+    run, steps, logs = _run("1+1", env, f"mismatch-{kind}", T)
+    try:
+        assert not run.timed_out, logs
+        for r in (0, 1):
+            rec = steps.get((r, "mismatch"))
+            assert rec is not None, logs
+            assert not rec["ok"], f"rank {r}: mismatched {kind} returned {rec['value']}"
+            for call in _MISMATCH[kind]:
+                found = call.search(rec["error"]) if isinstance(call, re.Pattern) else call in rec["error"]
+                assert found, f"rank {r}: {call!r} not in {rec['error']}"
+            assert "timed out" not in rec["error"], rec["error"]
+            assert rec["seconds"] < T, rec
+            after = steps[(r, "after")]
+            assert not after["ok"] and "broken" in after["error"], after
+            assert after["seconds"] < 1.0, after
+    finally:
+        cleanup(run)
+
+
+@pytest.mark.parametrize("env", _BRIDGES)
+def test_recv_any_source_notices_a_dead_sender(env) -> None:
+    T = 30.0
+    run, steps, logs = _run("1+1", env, "anysource-dead", T)
+    try:
+        assert not run.timed_out, logs
+        rec = steps[(0, "recv_any")]
+        assert not rec["ok"], rec
+        assert "rank 1" in rec["error"], rec["error"]
+        assert rec["seconds"] < 3.0, f"recv(any source) took {rec['seconds']:.1f} s to notice the exit: {rec}"
+    finally:
+        cleanup(run)
+
+
+@pytest.mark.parametrize("env", _BRIDGES)
+def test_recv_any_source_sleeps_while_waiting(env) -> None:
+    run, steps, logs = _run("1+1", env, "anysource-sleep", 30.0)
+    try:
+        assert not run.timed_out, logs
+        rec = steps[(0, "recv_any")]
+        assert rec["ok"], rec
+        assert rec["value"]["src"] == 1 and rec["value"]["data"] == [7.0] * 4, rec
+        # today ~18k over 2 s (a 50 us polling loop); a futex/poll sleeper needs a few hundred
+        assert rec["value"]["switches"] < 1000, rec
+    finally:
+        cleanup(run)
+
+
+def test_dead_peer_in_another_pid_namespace_is_noticed_by_its_heartbeat() -> None:
+    T = 20.0
+    run, steps, logs = _run("1+1", (("KAITIAN_BRIDGE", "shm"),), "foreign-dead", T)
+    try:
+        assert not run.timed_out, logs
+        rec = steps[(0, "after_death")]
+        assert not rec["ok"], rec
+        assert "rank 1" in rec["error"] and "heartbeat" in rec["error"], rec["error"]
+        assert rec["seconds"] < T / 2, rec
+    finally:
+        cleanup(run)
