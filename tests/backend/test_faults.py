@@ -138,3 +138,41 @@ def test_dead_peer_in_another_pid_namespace_is_noticed_by_its_heartbeat() -> Non
         assert rec["seconds"] < T / 2, rec
     finally:
         cleanup(run)
+
+
+def _bridge_with_peer_segment(tmp_path, mode: int, size: int) -> str:
+    """Rank 0 of a 2-rank shm bridge whose 'rank 1' published a segment we made; returns the error."""
+    import torch.distributed as dist
+
+    from kaitian import _C
+    from kaitian.backend import shm_gc
+
+    fake = shm_gc.segment_name("feedbeef", 1)
+    path = "/dev/shm" + fake
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, size)
+    os.fchmod(fd, mode)
+    os.close(fd)
+    meet = dist.FileStore(str(tmp_path / "meet"), 2)
+    meet.set("kaitian/shm/1", fake)
+    try:
+        _C.create_backend(store=dist.HashStore(), rank=0, size=2, timeout_ms=5000, group_of=[0, 1],
+                          group_names=["cpu0", "cpu1"], group_device=["cpu", "cpu"], flat_intra=True,
+                          intra_device=None, intra_cpu=None, bridge_kind="shm", bridge_store=meet,
+                          shm_name=shm_gc.segment_name("feedbeef", 0), chunk_bytes=1 << 16, pids=[-1, -1],
+                          tcp_host="")
+    except Exception as e:  # the refusal under test
+        return str(e)
+    finally:
+        os.unlink(path)
+    return "accepted"
+
+
+def test_peer_segment_open_to_others_is_refused(tmp_path) -> None:
+    err = _bridge_with_peer_segment(tmp_path, 0o644, 1 << 20)
+    assert "refusing rank 1's shared memory" in err and "accessible to group/others" in err, err
+
+
+def test_peer_segment_of_another_size_is_refused(tmp_path) -> None:
+    err = _bridge_with_peer_segment(tmp_path, 0o600, 4096)
+    assert "refusing rank 1's shared memory" in err and "4096 bytes, expected" in err, err
