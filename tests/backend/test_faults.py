@@ -100,6 +100,23 @@ def test_mismatched_collectives_raise_on_every_rank(kind: str, env) -> None:
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
+def test_a_rank_that_did_not_see_the_failure_learns_it_while_waiting(env) -> None:
+    run, steps, logs = _run("1+1+1", env, "propagate", 30.0)
+    try:
+        assert not run.timed_out, logs
+        for r in (0, 2):
+            rec = steps[(r, "all_reduce")]
+            assert not rec["ok"] and "timed out" in rec["error"], rec
+        rec = steps[(1, "recv")]
+        assert not rec["ok"], rec
+        assert "broken" in rec["error"] and "timed out" in rec["error"], rec["error"]
+        assert re.search(r"rank [02]'s all_reduce\(float32, 32 B, SUM\) \(collective #1\)", rec["error"]), rec["error"]
+        assert rec["seconds"] < 6, f"rank 1 learned of the failure only after {rec['seconds']:.1f} s"
+    finally:
+        cleanup(run)
+
+
+@pytest.mark.parametrize("env", _BRIDGES)
 def test_recv_any_source_notices_a_dead_sender(env) -> None:
     T = 30.0
     run, steps, logs = _run("1+1", env, "anysource-dead", T)

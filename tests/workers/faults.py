@@ -17,6 +17,9 @@ Scenarios (``--scenario``):
   any source must fail well before the timeout.
 * ``anysource-sleep``: the last rank sends after 2 s; rank 0's recv from any
   source gets it and records its context switches while it waited.
+* ``propagate``: three ranks; ranks 0 and 2 call all_reduce with a 2 s op
+  timeout while rank 1 waits in recv from rank 0 (a user bug): rank 1 never
+  sees the timeout itself but must raise with it well before its own 30 s.
 * ``foreign-dead``: the last rank runs in its own pid namespace (re-executed
   under ``unshare``), so its pid means nothing to rank 0; it exits after a
   barrier and rank 0's all_reduce must fail through the heartbeat.
@@ -142,6 +145,14 @@ def main(argv=None) -> int:
 
             record("recv_any", recv_any)
         dist.barrier()
+    elif s == "propagate":
+        if rank == 1:
+            record("recv", lambda: dist.recv(torch.empty(4), src=0))
+        else:
+            opts = dist.AllreduceOptions()
+            opts.timeout = timedelta(seconds=2)
+            backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+            record("all_reduce", lambda: backend.allreduce([torch.ones(8)], opts).wait())
     elif s == "foreign-dead":
         dist.barrier()
         if rank == last:
