@@ -440,7 +440,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
   const RedOp op = opts.reduceOp;
   auto ts = tensors;
   return enqueue(*collectives_, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced",
-                 opId(OpType::ALLREDUCE_COALESCED, tensors, -1, op), tensors, tensors, opts.timeout, [this, ts, op](const Deadline& dl) mutable {
+                 opId(OpType::ALLREDUCE_COALESCED, tensors, -1, op), tensors, tensors,
+                 opts.timeout, [this, ts, op](const Deadline& dl) mutable {
                    std::vector<at::Tensor> flats;
                    for (auto& t : ts) flats.push_back(t.reshape({-1}));
                    at::Tensor flat = at::cat(flats);
@@ -553,7 +554,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
   all.insert(all.end(), outs.begin(), outs.end());
   return enqueue(*collectives_, OpType::REDUCE_SCATTER_TENSOR_COALESCED,
                  "reduce_scatter_tensor_coalesced",
-                 opId(OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs, -1, op), outputs, all, opts.timeout,
+                 opId(OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs, -1, op), outputs, all,
+                 opts.timeout,
                  [this, outs, ins, op](const Deadline& dl) mutable {
                    for (size_t i = 0; i < outs.size(); ++i) {
                      const int64_t m = outs[i].numel();
@@ -814,8 +816,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::scatter(
   }
   std::vector<at::Tensor> all = ins;
   all.push_back(out);
-  return enqueue(*collectives_, OpType::SCATTER, "scatter", opId(OpType::SCATTER, out, root), outputs,
-                 all, opts.timeout,
+  return enqueue(*collectives_, OpType::SCATTER, "scatter", opId(OpType::SCATTER, out, root),
+                 outputs, all, opts.timeout,
                  [this, out, ins, root](const Deadline& dl) mutable {
                    const int W = getSize(), me = getRank();
                    const int64_t nb = nbytes(out);
@@ -953,7 +955,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::send(std::vector<at::Tensor>& ten
   TORCH_CHECK(dstRank >= 0 && dstRank < getSize(), "kaitian send: destination ", dstRank,
               " is not a rank of this group of ", getSize());
   at::Tensor t = tensors[0];
-  return enqueue(*sends_, OpType::SEND, "send", opId(OpType::SEND, t, dstRank), tensors, tensors, std::chrono::milliseconds(0),
+  return enqueue(*sends_, OpType::SEND, "send", opId(OpType::SEND, t, dstRank), tensors, tensors,
+                 std::chrono::milliseconds(0),
                  [this, t, dstRank, tag](const Deadline& dl) {
                    at::Tensor h = hostCopyOf(t);
                    bridge_->send(dstRank, h.data_ptr(), nbytes(h), tag, dl);
@@ -967,7 +970,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::recv(std::vector<at::Tensor>& ten
   TORCH_CHECK(srcRank >= 0 && srcRank < getSize(), "kaitian recv: source ", srcRank,
               " is not a rank of this group of ", getSize());
   at::Tensor t = tensors[0];
-  return enqueue(*recvs_, OpType::RECV, "recv", opId(OpType::RECV, t, srcRank), tensors, tensors, std::chrono::milliseconds(0),
+  return enqueue(*recvs_, OpType::RECV, "recv", opId(OpType::RECV, t, srcRank), tensors, tensors,
+                 std::chrono::milliseconds(0),
                  [this, t, srcRank, tag](const Deadline& dl) mutable {
                    at::Tensor h = hostBufferFor(t);
                    const int src = bridge_->recv(srcRank, h.data_ptr(), nbytes(h), tag, dl);

@@ -59,7 +59,9 @@ std::string OpId::describe() const {
   s += "(" + dtypeName(dtype);
   if (bytes >= 0) s += ", " + std::to_string(bytes) + " B";  // -1: sizes may differ by rank
   if (root >= 0) s += ", root " + std::to_string(root);
-  if (redop >= 0) s += std::string(", ") + reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(redop));
+  if (redop >= 0) {
+    s += std::string(", ") + reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(redop));
+  }
   return s + ")";
 }
 

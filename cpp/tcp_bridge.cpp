@@ -195,8 +195,8 @@ void TcpBridge::transfer(std::vector<Transfer> sends, std::vector<Transfer> recv
     std::vector<std::deque<Transfer>>& out;
     ~Boundary() {
       for (int p = 0; p < self->size_; ++p) {
-        self->collClean_[p] = out[p].empty() ||
-                              (out[p].front().frameStart && out[p].front().bytes == out[p].front().orig);
+        const auto& q = out[p];
+        self->collClean_[p] = q.empty() || (q.front().frameStart && q.front().bytes == q.front().orig);
       }
     }
   } boundary{this, out};
@@ -517,7 +517,8 @@ void TcpBridge::abortChannel(const std::vector<int>& fds, std::mutex& mu,
       // Best effort and never blocking: a peer that does not read gets EOF later.
       size_t off = 0;
       while (off < msg.size()) {
-        const ssize_t k = ::send(fd, msg.data() + off, msg.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        const ssize_t k =
+            ::send(fd, msg.data() + off, msg.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k <= 0) break;
         off += static_cast<size_t>(k);
       }
