@@ -58,7 +58,12 @@ std::string OpId::describe() const {
   if (type == static_cast<int32_t>(c10d::OpType::BARRIER)) return s + "()";
   s += "(" + dtypeName(dtype);
   if (bytes >= 0) s += ", " + std::to_string(bytes) + " B";  // -1: sizes may differ by rank
-  if (root >= 0) s += ", root " + std::to_string(root);
+  if (root >= 0) {
+    const char* what = type == static_cast<int32_t>(c10d::OpType::SEND)   ? ", to rank "
+                       : type == static_cast<int32_t>(c10d::OpType::RECV) ? ", from rank "
+                                                                           : ", root ";
+    s += what + std::to_string(root);
+  }
   if (redop >= 0) {
     s += std::string(", ") + reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(redop));
   }

@@ -100,6 +100,22 @@ def test_mismatched_collectives_raise_on_every_rank(kind: str, env) -> None:
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
+def test_a_bad_message_breaks_the_group_on_both_sides(env) -> None:
+    run, steps, logs = _run("1+1", env, "p2p-size", 10.0)
+    try:
+        assert not run.timed_out, logs
+        rec = steps[(0, "p2p")]
+        assert not rec["ok"] and "rank 1 sent 32 bytes but the receive tensor holds 16 bytes" in rec["error"], rec
+        for r in (0, 1):
+            after = steps[(r, "after")]
+            assert not after["ok"] and "broken" in after["error"], after
+            assert "rank 0's recv(float32, 16 B, from rank 1)" in after["error"], after["error"]
+            assert after["seconds"] < 5, after
+    finally:
+        cleanup(run)
+
+
+@pytest.mark.parametrize("env", _BRIDGES)
 def test_a_rank_that_did_not_see_the_failure_learns_it_while_waiting(env) -> None:
     run, steps, logs = _run("1+1+1", env, "propagate", 30.0)
     try:

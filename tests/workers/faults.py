@@ -17,6 +17,8 @@ Scenarios (``--scenario``):
   any source must fail well before the timeout.
 * ``anysource-sleep``: the last rank sends after 2 s; rank 0's recv from any
   source gets it and records its context switches while it waited.
+* ``p2p-size``: rank 1 sends 8 floats, rank 0 receives 4: rank 0's recv
+  raises, and the next all_reduce raises on both ranks.
 * ``propagate``: three ranks; ranks 0 and 2 call all_reduce with a 2 s op
   timeout while rank 1 waits in recv from rank 0 (a user bug): rank 1 never
   sees the timeout itself but must raise with it well before its own 30 s.
@@ -145,6 +147,12 @@ def main(argv=None) -> int:
 
             record("recv_any", recv_any)
         dist.barrier()
+    elif s == "p2p-size":
+        if rank == 1:
+            record("p2p", lambda: dist.send(torch.ones(8), 0))
+        elif rank == 0:
+            record("p2p", lambda: dist.recv(torch.empty(4), src=1))
+        record("after", lambda: all_reduce(1))
     elif s == "propagate":
         if rank == 1:
             record("recv", lambda: dist.recv(torch.empty(4), src=0))
