@@ -17,14 +17,14 @@ _register_backend()
 
 # public name -> module that defines it
 _LAZY = {
-    "device": "kaitian.rank_device",
-    "set_device": "kaitian.rank_device",
-    "local_device_count": "kaitian.rank_device",
-    "manual_seed": "kaitian.rank_device",
-    "DistributedSampler": "kaitian.sampler",
-    "optimize_batch_size": "kaitian.sampler",
-    "DistributedDataParallel": "kaitian.parallel",
-    "Rebalancer": "kaitian.rebalance",
+    "device": "kaitian.devices.rank",
+    "set_device": "kaitian.devices.rank",
+    "local_device_count": "kaitian.devices.rank",
+    "manual_seed": "kaitian.devices.rank",
+    "DistributedSampler": "kaitian.training.sampler",
+    "optimize_batch_size": "kaitian.training.sampler",
+    "DistributedDataParallel": "kaitian.training.ddp",
+    "Rebalancer": "kaitian.training.rebalance",
 }
 
 __all__ = ["__version__", *_LAZY]

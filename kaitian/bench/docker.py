@@ -117,9 +117,10 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     (a program that only writes the time), local processes vs docker exec into
     already created containers. This isolates the runtime's own cost from
     Python/torch start-up, which dominates (and blurs) the whole-job numbers."""
-    from kaitian.launcher._elastic import DefaultLogsSpecs, start_processes
+    from kaitian._torch import DefaultLogsSpecs, start_processes
+    from kaitian.devices.device import WorkerDevice
     from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
-    from kaitian.launcher.runtimes.docker import DockerRuntime
+    from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
 
     images = dict(item.split("=", 1) for item in args.image)
     run_dir = os.path.join(workdir, "latency-run")
@@ -128,7 +129,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
                      options={"images": images})
     cores = sorted(os.sched_getaffinity(0))
     workers = {
-        r: WorkerLaunch(r, r, "cpu", r, f"cpu{r % args.groups}", (cores[r % len(cores)],), None)
+        r: WorkerLaunch(r, r, WorkerDevice("cpu", r, f"cpu{r % args.groups}"), (cores[r % len(cores)],), None)
         for r in range(args.nproc)
     }
     runtime = DockerRuntime(ctx)
@@ -161,7 +162,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
 
 def _remove_kept(before: set) -> None:
     """Removes the containers this benchmark kept (not the user's)."""
-    from kaitian.launcher.runtimes.docker import connect
+    from kaitian.launcher.runtimes.docker.runtime import connect
 
     client = connect()
     for c in client.containers.list(all=True, filters={"label": ["org.kaitian.managed=1", "org.kaitian.keep=1"]}):
@@ -171,7 +172,7 @@ def _remove_kept(before: set) -> None:
 
 def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     """Runs the benchmark; returns medians per runtime (and the cold docker start)."""
-    from kaitian.launcher.runtimes.docker import connect
+    from kaitian.launcher.runtimes.docker.runtime import connect
 
     client = connect()
     before = {
@@ -244,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``kaitian bench docker [--image cpu=IMAGE] [--runs N] [--size-mb M] [--backend B]``."""
-    from kaitian.launcher.runtimes.docker_plan import DockerRuntimeError
+    from kaitian.launcher.runtimes.docker.plan import DockerRuntimeError
 
     args = _parser().parse_args(list(argv or []))
     try:

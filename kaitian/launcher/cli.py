@@ -17,25 +17,21 @@ import sys
 import uuid
 from typing import Dict, List, NoReturn, Optional
 
-from kaitian.launcher import _elastic as _te
-from kaitian.launcher.devices import DeviceSelectionError
+from kaitian import _torch as _te
 from kaitian.launcher.launch import KaitianLaunch, launch_agent
 from kaitian.launcher.logs import build_logs_specs
-from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers
+from kaitian.launcher.plan import parse_cpu_quota, plan_workers
 from kaitian.launcher.rundir import RunDir, collect_stale
 from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, runtime_class
 from kaitian.launcher.runtimes.cpu_limits import quota_mode
-from kaitian.settings import SettingError, settings
+from kaitian.errors import KaitianError, UsageError
+from kaitian.settings import settings
 
 __all__ = ["build_parser", "main", "run_alias", "UsageError"]
 
 logger = logging.getLogger(__name__)
 
 _PROG = "kaitianrun"
-
-
-class UsageError(ValueError):
-    """A command line kaitianrun cannot run; the message says what to change."""
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -143,7 +139,7 @@ def _images(values: List[str]) -> Dict[str, str]:
 
 def _capabilities() -> Dict[str, float]:
     try:
-        from kaitian.capability import load_capabilities
+        from kaitian.training.capability import load_capabilities
     except ImportError:
         return {}
     try:
@@ -276,14 +272,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     _te.speed_up_rendezvous_events()
     try:
         run(args)
-    except (UsageError, DeviceSelectionError, PlanError, SettingError, PermissionError) as e:
+    except KaitianError as e:  # user-facing: says what to do; anything else is torchrun-like
         return _fail(str(e))
-    except Exception as e:
-        # A runtime's own errors (no docker daemon, missing image, bad option)
-        # are user-facing and say what to do; anything else is torchrun-like.
-        if type(e).__module__.startswith("kaitian.launcher.runtimes"):
-            return _fail(str(e))
-        raise
     return 0
 
 

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from kaitian.launcher import _elastic as _te
+from kaitian import _torch as _te
 from kaitian.launcher.agent import KaitianAgent
 from kaitian.launcher.plan import WorkerPlan
 from kaitian.launcher.rendezvous import KaitianRendezvousHandler
@@ -51,9 +51,9 @@ class KaitianLaunch:
 
 def _make_monitor(out_dir: str) -> Any:
     try:
-        from kaitian.monitor import AgentMonitor
+        from kaitian.training.monitor import AgentMonitor
     except ImportError as e:
-        logger.warning("--monitor: kaitian.monitor is not available (%s); not monitoring", e)
+        logger.warning("--monitor: kaitian.training.monitor is not available (%s); not monitoring", e)
         return None
     return AgentMonitor(out_dir)
 

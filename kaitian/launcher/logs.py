@@ -16,7 +16,7 @@ from __future__ import annotations
 from string import Template
 from typing import Dict, Optional, Set
 
-from kaitian.launcher import _elastic as _te
+from kaitian import _torch as _te
 
 __all__ = ["DEFAULT_PREFIX_TEMPLATE", "build_logs_specs", "line_prefixes"]
 

@@ -20,6 +20,8 @@ import signal
 import tempfile
 from typing import Dict, List, Optional
 
+from kaitian.errors import RunDirError
+
 __all__ = ["RunDir", "base_dir", "collect_stale"]
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def base_dir() -> str:
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to another user; set TMPDIR to a private directory")
+        raise RunDirError(f"{path} belongs to another user; set TMPDIR to a private directory")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path

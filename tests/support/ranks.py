@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 __all__ = ["Layout", "RankRun", "run_ranks", "free_port", "shm_segments"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support import REPO, TESTS
 
 
 @dataclass(frozen=True)
@@ -113,18 +113,17 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
         env = dict(os.environ)
         for key in [k for k in env if k.startswith("KAITIAN_")]:
             del env[key]
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, TESTS, env.get("PYTHONPATH")])),
                     "KT_MATRIX_MARKERS": os.path.join(workdir, "markers"), "PYTHONUNBUFFERED": "1"})
         if layout.kaitian_env:
             env.update({"KAITIAN_GROUP": group, "KAITIAN_DEVICE_TYPE": "cpu",
                         "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": run_dir})
-        # torchrun's worker environment: workers may use init_method="env://"
+        # torchrun's worker environment (the workers' convention: support/worker_env.py)
         env.update({"RANK": str(rank), "WORLD_SIZE": str(len(groups)), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(len(groups)), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "KT_OUT": out})
+                    "MASTER_PORT": str(port), "KT_OUT": out, "KT_GROUPS": ",".join(groups)})
         env.update(dict(layout.env))
-        cmd = [sys.executable, *argv, "--rank", str(rank), "--world-size", str(len(groups)),
-               "--groups", ",".join(groups), "--init-method", f"tcp://127.0.0.1:{port}", "--out", out]
+        cmd = [sys.executable, *argv]
         with open(log, "w") as fh:
             procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
                                           start_new_session=True))

@@ -11,7 +11,7 @@ __all__ = ["RUNTIMES", "get_runtime", "Runtime", "RunContext", "WorkerLaunch"]
 # name -> "module:class", imported on use so the docker SDK loads only when asked for.
 RUNTIMES = {
     "local": "kaitian.launcher.runtimes.local:LocalRuntime",
-    "docker": "kaitian.launcher.runtimes.docker:DockerRuntime",
+    "docker": "kaitian.launcher.runtimes.docker.runtime:DockerRuntime",
 }
 
 

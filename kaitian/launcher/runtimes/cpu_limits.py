@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence
+from kaitian.errors import QuotaUnavailableError
 
 __all__ = [
     "pin",
@@ -74,10 +75,6 @@ def cgroups_writable() -> bool:
     except OSError:
         return False
     return os.access(cgroup_root(), os.W_OK)
-
-
-class QuotaUnavailableError(PermissionError):
-    """The requested way of enforcing ``--cpu-quota`` is not available here."""
 
 
 def quota_mode(wanted: str) -> str:

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Dict, List, Optional, Tuple
 
-from kaitian.launcher import _elastic as _te
+from kaitian import _torch as _te
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
 from kaitian.launcher.runtimes.cpu_limits import (
     CgroupQuota,
@@ -85,7 +85,7 @@ class LocalRuntime(Runtime):
         by_group: Dict[str, List[WorkerLaunch]] = {}
         for launch in workers.values():
             if launch.cpu_quota is not None:
-                by_group.setdefault(launch.group, []).append(launch)
+                by_group.setdefault(launch.device.group, []).append(launch)
         if not by_group:
             return
         if self._quota_mode() == "cgroup":

@@ -1,0 +1,1 @@
+"""Devices: the vendor table, this host's inventory, selection and this rank's device."""

@@ -1,0 +1,1 @@
+"""The docker runtime: each vendor group's workers in its own container."""

@@ -1,0 +1,1 @@
+"""Heterogeneity-aware data parallelism: split, sampler, DDP weighting, re-balancing."""

@@ -1,0 +1,159 @@
+"""Backend kaitian set-up: layout derivation, the stale-segment collector, a rank
+killed while building the group, and plain ``torchrun`` (no KAITIAN_* at all)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from kaitian.backend import groups as L
+from kaitian.backend import shm_gc
+
+from support import REPO
+
+
+def _info(rank, group, device="cpu", host="h"):
+    return L.RankInfo(rank=rank, group=group, device_type=device, device_index=rank, host=host,
+                      pid=100 + rank, pid_ns=1)
+
+
+def test_layout_orders_groups_by_first_rank():
+    lay = L.build_layout([_info(0, "cuda", "cuda"), _info(1, "cpu1"), _info(2, "cuda", "cuda"),
+                          _info(3, "cpu0")])
+    assert lay.group_names == ["cuda", "cpu1", "cpu0"]
+    assert lay.group_device == ["cuda", "cpu", "cpu"]
+    assert lay.group_of == [0, 1, 0, 2]
+    assert lay.members == [[0, 2], [1], [3]]
+    assert lay.group_rank(2) == 1 and lay.single_host
+
+
+def test_layout_rejects_mixed_device_types_and_sees_hosts():
+    with pytest.raises(L.LayoutError, match="mixes device types"):
+        L.build_layout([_info(0, "g"), _info(1, "g", "cuda")])
+    assert not L.build_layout([_info(0, "a", host="x"), _info(1, "b", host="y")]).single_host
+    # Two agents on one host, each with its own run dir: two nodes (TCP bridge).
+    two_agents = [L.RankInfo(0, "a", "cpu", 0, "h", 1, 1, run_dir="/r/agent1"),
+                  L.RankInfo(1, "b", "cpu", 0, "h", 2, 1, run_dir="/r/agent2")]
+    assert not L.build_layout(two_agents).single_host
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _touch(name: str, age: float = 0.0) -> str:
+    path = os.path.join(shm_gc.SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    if age:
+        os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def test_collector_removes_only_dead_creators_segments():
+    ns = shm_gc.pid_namespace()
+    dead = _touch(f"kaitian-{ns}-{_dead_pid()}-abc123-r0")
+    alive = _touch(f"kaitian-{ns}-{os.getpid()}-abc123-r1")
+    foreign_old = _touch(f"kaitian-{ns + 1}-{os.getpid()}-abc123-r2", age=3600)
+    foreign_new = _touch(f"kaitian-{ns + 1}-{os.getpid()}-abc123-r3")
+    other = _touch("kaitian-not-ours")
+    try:
+        removed = shm_gc.collect_stale_segments()
+        assert os.path.basename(dead) in removed and not os.path.exists(dead)
+        assert os.path.basename(foreign_old) in removed
+        for kept in (alive, foreign_new, other):
+            assert os.path.exists(kept), kept
+    finally:
+        for p in (dead, alive, foreign_old, foreign_new, other):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_during_setup(tmp_path, attempt: int):
+    """Starts rank 0 of a 2-rank bridge whose rank 1 never comes, SIGKILLs it once its
+    segment exists; returns the segment name (or None) and the rank's output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAITIAN_")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    code = textwrap.dedent(f"""
+        import torch.distributed as dist
+        from kaitian import _C
+        from kaitian.backend import shm_gc
+        meet = dist.FileStore({str(tmp_path / f"meet{attempt}")!r}, 2)
+        _C.create_backend(store=dist.HashStore(), rank=0, size=2, timeout_ms=60000,
+            group_of=[0, 1], group_names=["cpu0", "cpu1"], group_device=["cpu", "cpu"],
+            flat_intra=True, intra_device=None, intra_cpu=None, bridge_kind="shm",
+            bridge_store=meet, shm_name=shm_gc.segment_name("feedbeef", 0),
+            chunk_bytes=1 << 16, pids=[-1, -1], tcp_host="")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    tag = f"-{proc.pid}-"
+    deadline = time.monotonic() + 60
+    found = []
+    while time.monotonic() < deadline and not found and proc.poll() is None:
+        found = [n for n in os.listdir("/dev/shm") if n.startswith("kaitian-") and tag in n]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    out = proc.communicate()[0].decode(errors="replace")
+    return (found[0] if found else None), out
+
+
+def test_rank_killed_during_setup_leaves_segment_that_next_start_collects(tmp_path):
+    # Another kaitian job starting on this machine at the same moment may collect
+    # the segment first; then try again.
+    for attempt in range(3):
+        name, out = _kill_during_setup(tmp_path, attempt)
+        assert name, f"rank 0 never created its segment:\n{out[-3000:]}"
+        if os.path.exists(os.path.join("/dev/shm", name)):  # the crash left it behind
+            break
+    else:
+        pytest.fail("the killed rank's segment vanished before the collector ran (3 tries)")
+    assert name in shm_gc.collect_stale_segments()  # what the next start does first
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_plain_torchrun_without_kaitian_variables(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist, kaitian
+        dist.init_process_group("kaitian")
+        b = dist.group.WORLD._get_backend(torch.device("cpu"))
+        x = torch.full((1 << 20,), float(dist.get_rank() + 1))
+        dist.all_reduce(x)
+        assert bool(x.eq(3).all())
+        line = f"RANK {dist.get_rank()} {b.group_names()} {b.bridge_kind()}\\n"
+        os.write(1, line.encode())  # one write: the ranks share stdout
+        dist.destroy_process_group()
+    """))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAITIAN_")}
+    env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_port()), str(script)],
+        env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for rank in (0, 1):
+        assert f"RANK {rank} ['cpu'] shm" in proc.stdout, proc.stdout[-3000:]
+    # The private run directory (made by rank 0 in TMPDIR) is gone again.
+    leftovers = [p for p in os.listdir(tmp) if p.startswith("kaitian-run-")]
+    assert leftovers == []

@@ -1,0 +1,227 @@
+"""`kaitianrun --runtime docker` end to end, as a user runs it, on a real engine:
+parity with the local runtime, restarts, Ctrl-C, and a missing image."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from support import REPO, worker
+from support.docker import kaitian_containers, test_image
+
+SCRIPT = worker("docker_train")
+
+
+def _kaitianrun():
+    exe = shutil.which("kaitianrun")
+    return [exe] if exe else [sys.executable, "-m", "kaitian.launcher.cli"]
+
+
+@pytest.fixture(scope="module")
+def image():
+    return test_image()
+
+
+def _env(out, mode, **extra):
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])),
+        "DOCKER_E2E_OUT": str(out),
+        "DOCKER_E2E_MODE": mode,
+        "OMP_NUM_THREADS": "1",
+    })
+    env.update(extra)
+    return env
+
+
+def _args(runtime, image, *flags):
+    args = ["--standalone", "--nproc-per-node", "2", "--cpu-groups", "2", "--monitor-interval", "0.2",
+            "--runtime", runtime]
+    if runtime == "docker":
+        args += ["--image", f"cpu={image}"]
+    return args + list(flags) + [SCRIPT]
+
+
+def _records(out, name):
+    found = {}
+    for path in glob.glob(os.path.join(out, f"{name}.*.json")):
+        _, rank, attempt, _ = os.path.basename(path).split(".")
+        with open(path) as f:
+            found[(int(rank), int(attempt))] = json.load(f)
+    return found
+
+
+def _wait_records(out, name, count, proc, timeout=120):
+    deadline = time.time() + timeout
+    while len(_records(out, name)) < count:
+        if proc.poll() is not None:
+            pytest.fail(f"kaitianrun exited ({proc.returncode}) before its workers started:\n"
+                        f"{proc.stderr.read() if proc.stderr else ''}")
+        if time.time() > deadline:
+            pytest.fail(f"workers did not start within {timeout}s")
+        time.sleep(0.1)
+    return _records(out, name)
+
+
+def _no_workers_left():
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return SCRIPT not in ps
+
+
+def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
+    """Two simulated vendor groups, each in its own container, bridged through
+    shared memory by the kaitian backend, train to the same parameters as the
+    same job under the local runtime."""
+    params = {}
+    where = {}
+    for runtime in ("local", "docker"):
+        out = tmp_path / runtime
+        out.mkdir()
+        proc = subprocess.run(
+            _kaitianrun() + _args(runtime, image), env=_env(out, "train", DOCKER_E2E_BACKEND=os.environ.get("DOCKER_E2E_BACKEND", "kaitian")),
+            cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+        )
+        assert proc.returncode == 0, f"{runtime}: {proc.stderr[-3000:]}"
+        params[runtime] = torch.load(out / "params.pt")
+        where[runtime] = _records(out, "where")
+    for name, value in params["local"].items():
+        assert torch.equal(value, params["docker"][name]), name
+    assert all(not r["container"] for r in where["local"].values())
+    containers = {r["group"]: r["container"] for r in where["docker"].values()}
+    assert sorted(containers) == ["cpu0", "cpu1"]
+    assert all(containers.values()) and len(set(containers.values())) == 2
+    if os.environ.get("DOCKER_E2E_BACKEND", "kaitian") == "kaitian":
+        # the groups met through shared memory across the containers, not TCP
+        setups = _records(tmp_path / "docker", "setup")
+        assert len(setups) == 2
+        for rank_attempt, setup in setups.items():
+            assert any("bridge shm" in line for line in setup["lines"]), (rank_attempt, setup)
+    assert kaitian_containers(group="cpu0") == [] and kaitian_containers(group="cpu1") == []
+
+
+def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        _kaitianrun() + _args("docker", image, "--max-restarts", "1"), env=_env(out, "restart"),
+        cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        first = _wait_records(out, "where", 2, proc)
+        victim = next(r for (rank, _), r in first.items() if rank == 1)
+        (container,) = [c for c in kaitian_containers(agent_pid=proc.pid, group=victim["group"])]
+        # Kill the worker from inside its container, as an OOM kill or a crash would.
+        result = container.exec_run(["kill", "-9", str(victim["pid"])])
+        assert result.exit_code == 0, result.output
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    attempts = _records(out, "where")
+    assert {(0, 1), (1, 1)} <= set(attempts), sorted(attempts)  # both ranks ran again
+    # the restarted group ran in the same containers
+    assert attempts[(1, 1)]["container"] == victim["container"]
+    assert kaitian_containers(agent_pid=proc.pid) == []
+    assert _no_workers_left()
+
+
+def test_failed_job_removes_its_containers(tmp_path, image):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        _kaitianrun() + _args("docker", image), env=_env(out, "crash"), cwd=str(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "exitcode  : 3" in stderr  # torchrun's root-cause summary
+    assert len(_records(out, "where")) == 2  # both ran, in containers
+    assert kaitian_containers(agent_pid=proc.pid) == []
+
+
+def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        _kaitianrun() + _args("docker", image), env=_env(out, "wait"), cwd=str(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _wait_records(out, "where", 2, proc)
+        assert len(kaitian_containers(agent_pid=proc.pid)) == 2
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert kaitian_containers(agent_pid=proc.pid) == []
+    assert _no_workers_left()
+
+
+def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):
+    before = {c.id for c in kaitian_containers(keep=1)}
+    used = []
+    try:
+        for attempt in range(2):
+            out = tmp_path / f"run{attempt}"
+            out.mkdir()
+            proc = subprocess.run(
+                _kaitianrun() + _args("docker", image, "--keep-containers"), env=_env(out, "crash"),
+                cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+            )
+            assert proc.returncode == 1, proc.stderr[-2000:]  # rank 1 exits 3; the containers stay
+            used.append({r["group"]: r["container"] for r in _records(out, "where").values()})
+        kept = {c.id: c for c in kaitian_containers(keep=1) if c.id not in before}
+        assert len(kept) == 2 and all(c.status == "running" for c in kept.values())
+        assert used[0] == used[1] and set(used[0].values()) == set(kept)
+    finally:
+        for c in kaitian_containers(keep=1):
+            if c.id not in before:
+                c.remove(force=True)
+
+
+def test_missing_image_fails_with_one_line(tmp_path, image):
+    before = {c.id for c in kaitian_containers()}
+    proc = subprocess.run(
+        _kaitianrun() + ["--standalone", "--nproc-per-node", "2", "--cpu-groups", "2", "--runtime", "docker",
+                         "--image", "cpu=kaitian-test:no-such-image", SCRIPT],
+        env=_env(tmp_path, "train"), cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "kaitian-test:no-such-image" in line]
+    assert len(errors) == 1 and "not found" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert {c.id for c in kaitian_containers()} == before
+    assert _records(tmp_path, "where") == {}
+
+
+def test_unreachable_daemon_fails_with_one_line(tmp_path):
+    sock = tmp_path / "no-docker.sock"
+    proc = subprocess.run(
+        _kaitianrun() + ["--standalone", "--nproc-per-node", "2", "--cpu-groups", "2", "--runtime", "docker", SCRIPT],
+        env=_env(tmp_path, "train", DOCKER_HOST=f"unix://{sock}"), cwd=str(tmp_path),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "Docker daemon" in line]
+    assert len(errors) == 1 and f"unix://{sock}" in errors[0] and "start it" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert _records(tmp_path, "where") == {}

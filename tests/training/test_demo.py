@@ -1,0 +1,48 @@
+"""The main job end to end: examples/train_digits.py under kaitianrun, as the demo runs it.
+
+Two simulated vendor groups (cpu1 limited to a third of a core), backend
+kaitian, re-balancing on, ``--monitor``: the job must reach the accuracy, print
+each group's batch and throughput, and leave the monitor's plot and summary.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+from kaitian.training.capability import write_config
+
+from support import REPO as ROOT
+
+
+def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # a `kaitian init` config: kaitianrun hands each rank its KAITIAN_CAPABILITY,
+    # and the sampler starts from the 3:1 capability split
+    config = tmp_path / "config.toml"
+    write_config({"version": 1, "devices": {
+        "cpu:0": {"vendor": "cpu", "index": 0, "name": "slot 0", "capability": 3000.0},
+        "cpu:1": {"vendor": "cpu", "index": 1, "name": "slot 1", "capability": 1000.0},
+    }}, str(config))
+    env["KAITIAN_CONFIG"] = str(config)
+    monitor = tmp_path / "monitor"
+    cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--nproc-auto", "--cpu-slots", "2",
+           "--cpu-groups", "2", "--cpu-quota", "1,0.33", "--monitor", str(monitor),
+           os.path.join(ROOT, "examples", "train_digits.py"), "--epochs", "12",
+           "--batch-size", "64", "--min-accuracy", "0.95"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    epochs = re.findall(r"epoch +(\d+) .*cpu0: batch +(\d+) .*cpu1: batch +(\d+) .*total +(\d+) samples/s", out)
+    assert len(epochs) == 12, out[-3000:]
+    assert all(int(a) + int(b) == 128 for _, a, b, _ in epochs)  # global batch kept
+    assert epochs[0][1:3] == ("96", "32")  # the capability split from the config
+    accuracy = float(re.search(r"final test accuracy: ([\d.]+)", out).group(1))
+    assert accuracy >= 0.95
+    assert (monitor / "monitor.png").stat().st_size > 1000
+    summary = (monitor / "summary.txt").read_text()
+    rows = [l.split() for l in summary.splitlines()[1:3]]
+    assert [r[2] for r in rows] == ["cpu0", "cpu1"]
+    assert all(int(r[3]) == 12 * 12 for r in rows)  # steps recorded per rank
+    assert "job throughput" in summary

@@ -1,0 +1,176 @@
+"""kaitian.DistributedSampler invariants over many dataset sizes and capability mixes.
+
+Pure Python: every rank's sampler is built in this process with explicit
+``num_replicas`` / ``rank`` / ``capabilities``, as the ranks of a job would.
+"""
+
+import collections
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kaitian
+from kaitian.training.sampler import DistributedSampler, SplitError, proportional_split
+
+caps_strategy = st.lists(
+    st.floats(min_value=0.05, max_value=50.0, allow_nan=False), min_size=1, max_size=6
+)
+
+
+def _ranks(n, batch, caps, **kw):
+    return [
+        DistributedSampler(list(range(n)), batch, num_replicas=len(caps), rank=r,
+                           capabilities=caps, **kw)
+        for r in range(len(caps))
+    ]
+
+
+def _epoch(samplers, epoch=0):
+    for s in samplers:
+        s.set_epoch(epoch)
+    return [list(s.epoch_batches()) for s in samplers]
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 700), batch=st.integers(1, 40), caps=caps_strategy,
+       shuffle=st.booleans(), seed=st.integers(0, 1000), epoch=st.integers(0, 50))
+def test_every_sample_once_equal_steps_minimal_padding(n, batch, caps, shuffle, seed, epoch):
+    samplers = _ranks(n, batch, caps, shuffle=shuffle, seed=seed)
+    batches = _epoch(samplers, epoch)
+    world = len(caps)
+    steps = {len(b) for b in batches}
+    assert len(steps) == 1, "ranks disagree on the number of steps"
+    assert steps.pop() == samplers[0].num_steps == -(-n // (batch * world))
+    counts = collections.Counter(i for b in batches for step in b for i in step)
+    assert set(counts) == set(range(n)), "a sample is missing"
+    padding = sum(counts.values()) - n
+    remainder = n % (batch * world)
+    assert padding == (max(0, world - remainder) if remainder else 0)
+    assert all(c == 1 for c in counts.values()) or padding > 0
+    assert max(counts.values()) <= 1 + -(-world // n)
+    for r, s in enumerate(samplers):
+        assert len(s) == sum(len(step) for step in batches[r])
+        assert all(len(step) == s.local_batch_size for step in batches[r][:-1])
+        assert 1 <= len(batches[r][-1]) <= s.local_batch_size
+        # the classic sampler= path yields the same indices in the same order
+        assert list(s) == [i for step in batches[r] for i in step]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 500), batch=st.integers(1, 30), caps=caps_strategy)
+def test_drop_last_uses_only_full_steps(n, batch, caps):
+    world = len(caps)
+    if n < batch * world:
+        with pytest.raises(SplitError, match="lower batch_size"):
+            _epoch(_ranks(n, batch, caps, drop_last=True))
+        return
+    batches = _epoch(_ranks(n, batch, caps, drop_last=True))
+    flat = [i for b in batches for step in b for i in step]
+    assert len(flat) == len(set(flat)) == (n // (batch * world)) * batch * world
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 64), caps=caps_strategy)
+def test_split_is_proportional_to_capability(batch, caps):
+    samplers = _ranks(1000, batch, caps)
+    split = samplers[0].split
+    assert sum(split) == batch * len(caps) and min(split) >= 1
+    assert all(s.split == split for s in samplers)
+    total = batch * len(caps)
+    ideal = [total * c / sum(caps) for c in caps]
+    for got, want in zip(split, ideal):
+        # largest remainder, except where the minimum of 1 had to be given
+        assert got == 1 or abs(got - want) < 1 + len(caps)
+    # faster never gets fewer samples than slower
+    order = sorted(range(len(caps)), key=lambda r: caps[r])
+    assert all(split[a] <= split[b] for a, b in zip(order, order[1:]) if caps[a] < caps[b])
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 300), batch=st.integers(1, 20), caps=caps_strategy,
+       seed=st.integers(0, 100), epoch=st.integers(0, 10))
+def test_deterministic_for_seed_and_epoch(n, batch, caps, seed, epoch):
+    a = _epoch(_ranks(n, batch, caps, seed=seed), epoch)
+    b = _epoch(_ranks(n, batch, caps, seed=seed), epoch)
+    assert a == b
+
+
+def test_epochs_and_seeds_shuffle_differently():
+    base = _epoch(_ranks(500, 8, [2.0, 1.0]), 0)
+    assert _epoch(_ranks(500, 8, [2.0, 1.0]), 1) != base
+    assert _epoch(_ranks(500, 8, [2.0, 1.0], seed=5), 0) != base
+    unshuffled = _epoch(_ranks(500, 8, [2.0, 1.0], shuffle=False), 3)
+    assert unshuffled[0][0] == list(range(11)) and unshuffled[1][0] == list(range(11, 16))
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 400), batch=st.integers(1, 20), caps=caps_strategy,
+       data=st.data())
+def test_mid_epoch_split_change_keeps_coverage(n, batch, caps, data):
+    samplers = _ranks(n, batch, caps)
+    world = len(caps)
+    steps = samplers[0].num_steps
+    change_at = data.draw(st.integers(0, steps))
+    weights = data.draw(st.lists(st.floats(0.1, 10.0), min_size=world, max_size=world))
+    new = proportional_split(batch * world, weights)
+    iters = [s.epoch_batches() for s in samplers]
+    batches = [[] for _ in range(world)]
+    for step in range(steps):
+        if step == change_at:
+            for s in samplers:
+                s.set_split(new, after_draws=0)
+        for r in range(world):
+            batches[r].append(next(iters[r]))
+    for it in iters:
+        assert next(it, None) is None
+    flat = collections.Counter(i for b in batches for step in b for i in step)
+    assert set(flat) == set(range(n))
+    assert sum(flat.values()) - n == (max(0, world - n % (batch * world)) if n % (batch * world) else 0)
+    if change_at < n // (batch * world):  # a full step right after the change
+        assert [len(batches[r][change_at]) for r in range(world)] == new
+
+
+def test_split_change_at_next_epoch_and_listeners():
+    samplers = _ranks(100, 10, [1.0, 1.0])
+    seen = []
+    samplers[0].add_split_listener(lambda old, new: seen.append((old, new)))
+    for s in samplers:
+        s.set_split([15, 5])
+    assert samplers[0].local_batch_size == 10  # not before the next epoch
+    batches = _epoch(samplers, 1)
+    assert [len(b[0]) for b in batches] == [15, 5]
+    assert seen == [([10, 10], [15, 5])]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([10], "entries"), ([0, 20], "at least 1"), ([12, 12], "global batch"),
+])
+def test_bad_split_is_refused(bad, match):
+    with pytest.raises(SplitError, match=match):
+        _ranks(100, 10, [1.0, 1.0])[0].set_split(bad)
+
+
+def test_unknown_capabilities_get_the_known_mean():
+    s = DistributedSampler(range(100), 10, num_replicas=3, rank=0, capabilities={0: 4.0, 2: 2.0})
+    assert s.capabilities == [4.0, 3.0, 2.0]
+    assert DistributedSampler(range(100), 10, num_replicas=2, rank=1).split == [10, 10]
+
+
+def test_proportional_split_caps_and_errors():
+    assert proportional_split(100, [3, 1], caps=[60, None]) == [60, 40]
+    assert proportional_split(5, [6, 4, 2]) == [2, 2, 1]
+    with pytest.raises(SplitError, match="add up to less"):
+        proportional_split(100, [1, 1], caps=[10, 10])
+    with pytest.raises(SplitError, match="at least 1"):
+        proportional_split(2, [1, 1, 1])
+
+
+def test_optimize_batch_size_follows_the_last_sampler():
+    s = DistributedSampler(range(100), 16, num_replicas=2, rank=1, capabilities=[3.0, 1.0])
+    assert kaitian.optimize_batch_size(16) == s.local_batch_size == 8
+    assert kaitian.optimize_batch_size(7) == 7  # no process group, no sampler for 7
+
+
+def test_rank_out_of_range():
+    with pytest.raises(ValueError, match="not in"):
+        DistributedSampler(range(10), 2, num_replicas=2, rank=2)
