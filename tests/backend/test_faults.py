@@ -13,9 +13,10 @@ import re
 
 import pytest
 
+from support import worker
 from support.ranks import Layout, cleanup, run_ranks, tail
 
-_WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers", "faults.py")
+_WORKER = worker("faults")
 _BRIDGES = [pytest.param((), id="shm"), pytest.param((("KAITIAN_BRIDGE", "tcp"),), id="tcp")]
 
 
