@@ -7,6 +7,7 @@ outcome: the right value, or an error with the expected text within a bound.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,27 +21,31 @@ _WORKER = worker("faults")
 _BRIDGES = [pytest.param((), id="shm"), pytest.param((("KAITIAN_BRIDGE", "tcp"),), id="tcp")]
 
 
-def _run(spec: str, env: tuple, scenario: str, timeout: float, limit: float = 90):
+@contextlib.contextmanager
+def _ranks(spec: str, env: tuple, scenario: str, timeout: float, limit: float = 90):
+    """Runs the scenario; yields ``{(rank, step): record}`` and the logs; cleans up."""
     run = run_ranks(Layout(spec, env=env), [_WORKER, "--scenario", scenario, "--timeout", str(timeout)],
                     timeout=limit)
-    steps = {}
-    for rank, path in enumerate(run.outs):
-        if os.path.exists(path):
-            with open(path) as fh:
-                for line in fh:
-                    rec = json.loads(line)
-                    steps[(rank, rec["step"])] = rec
-    logs = "\n".join(f"--- rank {r} ---\n{tail(p, 20)}" for r, p in enumerate(run.logs))
-    return run, steps, logs
+    try:
+        steps = {}
+        for rank, path in enumerate(run.outs):
+            if os.path.exists(path):
+                with open(path) as fh:
+                    for line in fh:
+                        rec = json.loads(line)
+                        steps[(rank, rec["step"])] = rec
+        logs = "\n".join(f"--- rank {r} ---\n{tail(p, 20)}" for r, p in enumerate(run.logs))
+        assert not run.timed_out, f"ranks hung:\n{logs}"
+        yield steps, logs
+    finally:
+        cleanup(run)
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
 def test_late_rank_breaks_the_group_on_every_rank(env) -> None:
     """Rank 1 is late: rank 0 times out, then every later op raises on both; a new group works."""
     T = 3.0
-    run, steps, logs = _run("1+1", env, "late", T)
-    try:
-        assert not run.timed_out, logs
+    with _ranks("1+1", env, "late", T) as (steps, logs):
         first, second = steps[(0, "first")], steps[(0, "second")]
         assert not first["ok"] and "timed out" in first["error"], first
         assert T * 0.8 < first["seconds"] < T * 2, first
@@ -62,8 +67,6 @@ def test_late_rank_breaks_the_group_on_every_rank(env) -> None:
         # A new process group starts clean.
         for r in (0, 1):
             assert steps[(r, "new_group")] == {**steps[(r, "new_group")], "ok": True, "value": [3.0] * 8}
-    finally:
-        cleanup(run)
 
 
 # The two calls each rank's error must name (split sizes: the pair that disagrees).
@@ -81,9 +84,7 @@ _MISMATCH = {
 @pytest.mark.parametrize("kind", sorted(_MISMATCH))
 def test_mismatched_collectives_raise_on_every_rank(kind: str, env) -> None:
     T = 5.0
-    run, steps, logs = _run("1+1", env, f"mismatch-{kind}", T)
-    try:
-        assert not run.timed_out, logs
+    with _ranks("1+1", env, f"mismatch-{kind}", T) as (steps, logs):
         for r in (0, 1):
             rec = steps.get((r, "mismatch"))
             assert rec is not None, logs
@@ -96,15 +97,11 @@ def test_mismatched_collectives_raise_on_every_rank(kind: str, env) -> None:
             after = steps[(r, "after")]
             assert not after["ok"] and "broken" in after["error"], after
             assert after["seconds"] < 1.0, after
-    finally:
-        cleanup(run)
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
 def test_a_bad_message_breaks_the_group_on_both_sides(env) -> None:
-    run, steps, logs = _run("1+1", env, "p2p-size", 10.0)
-    try:
-        assert not run.timed_out, logs
+    with _ranks("1+1", env, "p2p-size", 10.0) as (steps, logs):
         rec = steps[(0, "p2p")]
         assert not rec["ok"] and "rank 1 sent 32 bytes but the receive tensor holds 16 bytes" in rec["error"], rec
         for r in (0, 1):
@@ -112,15 +109,11 @@ def test_a_bad_message_breaks_the_group_on_both_sides(env) -> None:
             assert not after["ok"] and "broken" in after["error"], after
             assert "rank 0's recv(float32, 16 B, from rank 1)" in after["error"], after["error"]
             assert after["seconds"] < 5, after
-    finally:
-        cleanup(run)
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
 def test_a_rank_that_did_not_see_the_failure_learns_it_while_waiting(env) -> None:
-    run, steps, logs = _run("1+1+1", env, "propagate", 30.0)
-    try:
-        assert not run.timed_out, logs
+    with _ranks("1+1+1", env, "propagate", 30.0) as (steps, logs):
         for r in (0, 2):
             rec = steps[(r, "all_reduce")]
             assert not rec["ok"] and "timed out" in rec["error"], rec
@@ -129,49 +122,35 @@ def test_a_rank_that_did_not_see_the_failure_learns_it_while_waiting(env) -> Non
         assert "broken" in rec["error"] and "timed out" in rec["error"], rec["error"]
         assert re.search(r"rank [02]'s all_reduce\(float32, 32 B, SUM\) \(collective #1\)", rec["error"]), rec["error"]
         assert rec["seconds"] < 6, f"rank 1 learned of the failure only after {rec['seconds']:.1f} s"
-    finally:
-        cleanup(run)
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
 def test_recv_any_source_notices_a_dead_sender(env) -> None:
     T = 30.0
-    run, steps, logs = _run("1+1", env, "anysource-dead", T)
-    try:
-        assert not run.timed_out, logs
+    with _ranks("1+1", env, "anysource-dead", T) as (steps, logs):
         rec = steps[(0, "recv_any")]
         assert not rec["ok"], rec
         assert "rank 1" in rec["error"], rec["error"]
         assert rec["seconds"] < 3.0, f"recv(any source) took {rec['seconds']:.1f} s to notice the exit: {rec}"
-    finally:
-        cleanup(run)
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
 def test_recv_any_source_sleeps_while_waiting(env) -> None:
-    run, steps, logs = _run("1+1", env, "anysource-sleep", 30.0)
-    try:
-        assert not run.timed_out, logs
+    with _ranks("1+1", env, "anysource-sleep", 30.0) as (steps, logs):
         rec = steps[(0, "recv_any")]
         assert rec["ok"], rec
         assert rec["value"]["src"] == 1 and rec["value"]["data"] == [7.0] * 4, rec
         # today ~18k over 2 s (a 50 us polling loop); a futex/poll sleeper needs a few hundred
         assert rec["value"]["switches"] < 1000, rec
-    finally:
-        cleanup(run)
 
 
 def test_dead_peer_in_another_pid_namespace_is_noticed_by_its_heartbeat() -> None:
     T = 20.0
-    run, steps, logs = _run("1+1", (("KAITIAN_BRIDGE", "shm"),), "foreign-dead", T)
-    try:
-        assert not run.timed_out, logs
+    with _ranks("1+1", (("KAITIAN_BRIDGE", "shm"),), "foreign-dead", T) as (steps, logs):
         rec = steps[(0, "after_death")]
         assert not rec["ok"], rec
         assert "rank 1" in rec["error"] and "heartbeat" in rec["error"], rec["error"]
         assert rec["seconds"] < T / 2, rec
-    finally:
-        cleanup(run)
 
 
 def _bridge_with_peer_segment(tmp_path, mode: int, size: int) -> str:
