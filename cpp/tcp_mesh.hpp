@@ -28,7 +28,7 @@ namespace kaitian {
 
 // Bump when the wire format of the handshake or of the TCP bridge's data
 // (tcp_bridge.cpp) changes: ranks of different versions then refuse each other.
-constexpr uint32_t kTcpProtocolVersion = 1;
+constexpr uint32_t kTcpProtocolVersion = 2;  // 2: every message framed (fail-stop identity)
 
 struct MeshOptions {
   std::string host;     // IPv4 address to listen on and advertise

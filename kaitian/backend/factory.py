@@ -199,7 +199,7 @@ def create_kaitian_backend(dist_opts, backend_options=None):
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     timeout = _timeout_of(dist_opts)
     s = settings()
-    shm_gc.collect_stale_segments()
+    shm_gc.collect_stale_segments(min_age_s=timeout.total_seconds())
 
     me = _layout.local_rank_info(rank, s)
     infos = _layout.exchange_infos(store, rank, size, me, timeout)
