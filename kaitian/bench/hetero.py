@@ -107,7 +107,7 @@ def _worker(args: argparse.Namespace) -> int:
     solo_opt = torch.optim.SGD(solo_net.parameters(), lr=0.01)
     runs = {}
     for mode in ("equal", "rebalance"):
-        sampler = kaitian.DistributedSampler(dataset, args.batch_size, capabilities=[1.0] * world)
+        sampler = kaitian.DistributedSampler(dataset, batch_size=args.batch_size, capabilities=[1.0] * world)
         model = kaitian.DistributedDataParallel(make_net())
         if mode == "rebalance":
             balancer = kaitian.Rebalancer(sampler, model)
@@ -119,7 +119,7 @@ def _worker(args: argparse.Namespace) -> int:
     for cycle in range(args.cycles):
         for mode in _MODES:
             if mode == "static" and "static" not in runs:
-                sampler = kaitian.DistributedSampler(dataset, args.batch_size, capabilities=solo_rates)
+                sampler = kaitian.DistributedSampler(dataset, batch_size=args.batch_size, capabilities=solo_rates)
                 model = kaitian.DistributedDataParallel(make_net())
                 runs["static"] = (sampler, model, torch.optim.SGD(model.parameters(), lr=0.01))
             dist.barrier()

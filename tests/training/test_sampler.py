@@ -19,7 +19,7 @@ caps_strategy = st.lists(
 
 def _ranks(n, batch, caps, **kw):
     return [
-        DistributedSampler(list(range(n)), batch, num_replicas=len(caps), rank=r,
+        DistributedSampler(list(range(n)), batch_size=batch, num_replicas=len(caps), rank=r,
                            capabilities=caps, **kw)
         for r in range(len(caps))
     ]
@@ -151,9 +151,9 @@ def test_bad_split_is_refused(bad, match):
 
 
 def test_unknown_capabilities_get_the_known_mean():
-    s = DistributedSampler(range(100), 10, num_replicas=3, rank=0, capabilities={0: 4.0, 2: 2.0})
+    s = DistributedSampler(range(100), batch_size=10, num_replicas=3, rank=0, capabilities={0: 4.0, 2: 2.0})
     assert s.capabilities == [4.0, 3.0, 2.0]
-    assert DistributedSampler(range(100), 10, num_replicas=2, rank=1).split == [10, 10]
+    assert DistributedSampler(range(100), batch_size=10, num_replicas=2, rank=1).split == [10, 10]
 
 
 def test_proportional_split_caps_and_errors():
@@ -166,11 +166,11 @@ def test_proportional_split_caps_and_errors():
 
 
 def test_optimize_batch_size_follows_the_last_sampler():
-    s = DistributedSampler(range(100), 16, num_replicas=2, rank=1, capabilities=[3.0, 1.0])
+    s = DistributedSampler(range(100), batch_size=16, num_replicas=2, rank=1, capabilities=[3.0, 1.0])
     assert kaitian.optimize_batch_size(16) == s.local_batch_size == 8
     assert kaitian.optimize_batch_size(7) == 7  # no process group, no sampler for 7
 
 
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="not in"):
-        DistributedSampler(range(10), 2, num_replicas=2, rank=2)
+        DistributedSampler(range(10), batch_size=2, num_replicas=2, rank=2)
