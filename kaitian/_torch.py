@@ -217,15 +217,3 @@ __all__ = [
     "timer",
     "to_map",
 ]
-
-
-# --- training ----------------------------------------------------------------
-def queue_autograd_callback(callback) -> None:
-    """Runs ``callback`` when the current backward pass ends (after DDP's own finaliser).
-
-    ``Variable._execution_engine`` is autograd's private engine handle; DDP
-    itself queues its finalising callback through it.
-    """
-    from torch.autograd import Variable
-
-    Variable._execution_engine.queue_callback(callback)

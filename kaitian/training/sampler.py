@@ -53,6 +53,7 @@ DEFAULT_BATCH_SIZE = 32  # per rank of an equal split, when batch_size is not gi
 # The most recently created sampler (weakly): optimize_batch_size and
 # scale_loss answer from it.
 _latest: Optional["weakref.ref"] = None
+_latest_local: Optional[tuple] = None  # (batch_size, local batch) of that sampler, kept after it is gone
 
 
 def latest_sampler() -> Optional["DistributedSampler"]:
@@ -255,7 +256,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         group: Optional[dist.ProcessGroup] = None,
         min_batch_size: int = 1,
     ) -> None:
-        global _latest
+        global _latest, _latest_local
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(group) if initialized else None
         if batch_size is None and num_replicas is not None and world is not None and num_replicas != world:
@@ -296,6 +297,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._split_listeners = Listeners()
         self._epoch_listeners = Listeners()
         _latest = weakref.ref(self)
+        _latest_local = (self.batch_size, self.local_batch_size)
         _log.info(
             "rank %d: global batch %d split %s (capabilities %s)",
             self.rank, self.global_batch_size, self._split, self.capabilities,
@@ -613,6 +615,8 @@ def optimize_batch_size(batch_size: int) -> int:
     s = latest_sampler()
     if s is not None and s.batch_size == int(batch_size):
         return s.local_batch_size
+    if s is None and _latest_local is not None and _latest_local[0] == int(batch_size):
+        return _latest_local[1]
     initialized = dist.is_available() and dist.is_initialized()
     if not initialized:
         return int(batch_size)
