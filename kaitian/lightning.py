@@ -41,18 +41,9 @@ from lightning.pytorch.strategies import DDPStrategy
 import kaitian  # noqa: F401  registers the "kaitian" backend
 from kaitian.training.ddp import DistributedDataParallel
 from kaitian.training.rebalance import Rebalancer
-from kaitian.training.sampler import DistributedSampler, KaitianBatchSampler
+from kaitian.training.sampler import KaitianBatchSampler, kaitian_sampler_of
 
-__all__ = ["KaitianStrategy", "kaitian_sampler_of"]
-
-
-def kaitian_sampler_of(loader: Any) -> Optional[DistributedSampler]:
-    """The :class:`kaitian.DistributedSampler` behind a DataLoader, or ``None``."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    if isinstance(batch_sampler, KaitianBatchSampler):
-        return batch_sampler.sampler
-    sampler = getattr(loader, "sampler", None)
-    return sampler if isinstance(sampler, DistributedSampler) else None
+__all__ = ["KaitianStrategy"]
 
 
 class KaitianStrategy(DDPStrategy):

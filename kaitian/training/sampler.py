@@ -42,6 +42,7 @@ __all__ = [
     "proportional_split",
     "gather_capabilities",
     "latest_sampler",
+    "kaitian_sampler_of",
     "SplitError",
     "DEFAULT_BATCH_SIZE",
 ]
@@ -597,6 +598,15 @@ class KaitianBatchSampler(torch.utils.data.BatchSampler):
 
     def __len__(self) -> int:
         return self.sampler.num_steps
+
+
+def kaitian_sampler_of(loader) -> Optional[DistributedSampler]:
+    """The :class:`DistributedSampler` behind a DataLoader (``sampler=`` or ``batch_sampler=``), or ``None``."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(batch_sampler, KaitianBatchSampler):
+        return batch_sampler.sampler
+    sampler = getattr(loader, "sampler", None)
+    return sampler if isinstance(sampler, DistributedSampler) else None
 
 
 def optimize_batch_size(batch_size: int) -> int:
