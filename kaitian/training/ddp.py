@@ -148,6 +148,7 @@ class _StepState:
         self.wait = 0.0  # time in other collectives this step
         self.wait_in_compute = 0.0  # the part of it inside the compute window
         self.round_requested = False  # rank 0 asked for a re-balancing round
+        self.error: Optional[Exception] = None  # found inside a future callback; raised from backward
         self.last_end: Optional[float] = None
         self.first_forward: Optional[float] = None
         self.timings: Deque[StepTiming] = deque(maxlen=history)
@@ -362,6 +363,10 @@ class DistributedDataParallel(_TorchDDP):
 
     def _kt_finish_step(self) -> None:
         st = self._kt_state
+        if st.error is not None:
+            error, st.error = st.error, None
+            st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
+            raise error
         total, correction = self._kt_totals()
         if self._kt_builtin_hook is not None and correction != 1.0:
             with torch.no_grad():
@@ -428,7 +433,11 @@ def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as rea
     def finish(both: torch.futures.Future) -> torch.Tensor:
         value = both.value()[0].value()
         grad = value[0] if isinstance(value, (list, tuple)) else value
-        _, correction = ddp._kt_totals(arrived=True)
+        try:
+            _, correction = ddp._kt_totals(arrived=True)
+        except TrainingError as exc:  # raised from backward by _kt_finish_step, as itself
+            ddp._kt_state.error = exc
+            return grad
         return grad if correction == 1.0 else grad.mul_(correction)
 
     return torch.futures.collect_all(futures).then(finish)

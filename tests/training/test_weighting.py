@@ -51,3 +51,20 @@ def test_join(results):
         assert rank[("join", "kaitian")]["refused"].startswith(
             "kaitian.DistributedDataParallel does not support join()")
         assert rank[("join", "torch")]["worst"] < 1e-9
+
+
+def test_ranks_at_different_steps_are_named_and_batchnorm_gets_two():
+    run = run_ranks(Layout("1+1"), [worker("weighting_cases"), "--cases", "hardening"], timeout=120)
+    try:
+        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        for out in run.outs:
+            with open(out) as f:
+                r = json.loads(f.read())
+            assert r["min_batch"] == 2  # kaitian's DDP saw the BatchNorm
+            assert min(r["sizes"]) >= 2  # the short last step too (3+2 of 5, not 4+1)
+            for mode in ("torch", "kaitian"):
+                assert r[mode].startswith("ranks are at different steps (rank 0 at epoch 0 step 2, "
+                                          "rank 1 at epoch 1 step 0)"), r[mode]
+                assert "batch_sampler=sampler.batch_sampler()" in r[mode]
+    finally:
+        cleanup(run)
