@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from support import REPO
 
-__all__ = ["examples_common", "replay_weights", "max_difference"]
+__all__ = ["examples_common", "replay_weights", "logged_batches", "max_difference"]
 
 
 def examples_common():
@@ -28,17 +28,26 @@ def examples_common():
     return module
 
 
-def replay_weights(log_dir: str, world: int, lr: float) -> List[List[float]]:
+def replay_weights(log_dir: str, world: int, lr: float, momentum: float = 0.0) -> List[List[float]]:
     """The weights after SGD on the union of the ranks' logged batches, step by step."""
     common = examples_common()
     x, y, _ = common.make_dataset().tensors
+    logs = logged_batches(log_dir, world)
+    assert len({len(log) for log in logs}) == 1, [len(log) for log in logs]
+    return _train(logs, x, y, common.make_model(), lr, momentum)
+
+
+def logged_batches(log_dir: str, world: int) -> List[List[List[int]]]:
+    """Per rank, per step: the sample indices the run logged."""
     logs = []
     for rank in range(world):
         with open(os.path.join(log_dir, f"rank-{rank}.jsonl"), encoding="utf-8") as f:
             logs.append([json.loads(line) for line in f if line.strip()])
-    assert len({len(log) for log in logs}) == 1, [len(log) for log in logs]
-    model = common.make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return logs
+
+
+def _train(logs, x, y, model, lr, momentum):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in zip(*logs):
         union = [i for part in step for i in part]
         opt.zero_grad()
