@@ -11,7 +11,6 @@ accepts backend "kaitian", keeps kaitian's loader and weights the loss in
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,19 +23,12 @@ import kaitian
 from kaitian.accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, save_weights  # noqa: E402
+from common import BatchLog, make_dataset, make_model, parse_args, save_weights  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch of an equal split")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--capabilities", default=None, help="e.g. 3,1 (default: kaitian init's)")
-    p.add_argument("--log-batches", default=None, help="directory for each rank's batch log")
-    p.add_argument("--save", default=None, help="rank 0 writes the trained weights here (JSON)")
-    args, _ = p.parse_known_args(argv)
-    caps = [float(c) for c in args.capabilities.split(",")] if args.capabilities else None
+    args = parse_args(__doc__.splitlines()[0], argv)
+    caps = args.capabilities
 
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="kaitian")])
     dataset = make_dataset()

@@ -6,6 +6,7 @@ replay the logged global batches in one process and compare the weights.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import List, Optional
@@ -13,7 +14,22 @@ from typing import List, Optional
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["make_dataset", "make_model", "BatchLog", "save_weights"]
+__all__ = ["parse_args", "make_dataset", "make_model", "BatchLog", "save_weights"]
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    """The examples' options; ``capabilities`` comes back as a list or ``None``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch of an equal split")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--capabilities", default=None, help="e.g. 3,1 (default: kaitian init's)")
+    p.add_argument("--no-rebalance", action="store_true", help="keep the capability split")
+    p.add_argument("--log-batches", default=None, help="directory for each rank's batch log")
+    p.add_argument("--save", default=None, help="rank 0 writes the trained weights here (JSON)")
+    args, _ = p.parse_known_args(argv)
+    args.capabilities = [float(c) for c in args.capabilities.split(",")] if args.capabilities else None
+    return args
 
 
 def make_dataset(n: int = 480, seed: int = 0) -> TensorDataset:

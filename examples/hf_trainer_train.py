@@ -10,7 +10,6 @@ returns its loss as Hugging Face models do.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,7 +20,7 @@ from transformers import TrainerCallback, TrainingArguments
 from kaitian.transformers import KaitianTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, save_weights  # noqa: E402
+from common import BatchLog, make_dataset, make_model, parse_args, save_weights  # noqa: E402
 
 
 class Regression(torch.nn.Module):
@@ -59,15 +58,8 @@ class Rows(torch.utils.data.Dataset):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch of an equal split")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--capabilities", default=None, help="e.g. 3,1 (default: kaitian init's)")
-    p.add_argument("--log-batches", default=None, help="directory for each rank's batch log")
-    p.add_argument("--save", default=None, help="rank 0 writes the trained weights here (JSON)")
-    parsed, _ = p.parse_known_args(argv)
-    caps = [float(c) for c in parsed.capabilities.split(",")] if parsed.capabilities else None
+    parsed = parse_args(__doc__.splitlines()[0], argv)
+    caps = parsed.capabilities
     log = BatchLog(parsed.log_batches, int(os.environ.get("RANK", "0")))
     model = Regression(log)
     args = TrainingArguments(

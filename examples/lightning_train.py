@@ -10,7 +10,6 @@ DataLoader) and ``strategy=KaitianStrategy()``; the LightningModule is plain.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -23,7 +22,7 @@ import kaitian
 from kaitian.lightning import KaitianStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, save_weights  # noqa: E402
+from common import BatchLog, make_dataset, make_model, parse_args, save_weights  # noqa: E402
 
 
 class Regressor(L.LightningModule):
@@ -46,16 +45,8 @@ class Regressor(L.LightningModule):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch of an equal split")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--capabilities", default=None, help="e.g. 3,1 (default: kaitian init's)")
-    p.add_argument("--no-rebalance", action="store_true")
-    p.add_argument("--log-batches", default=None, help="directory for each rank's batch log")
-    p.add_argument("--save", default=None, help="rank 0 writes the trained weights here (JSON)")
-    args, _ = p.parse_known_args(argv)
-    caps = [float(c) for c in args.capabilities.split(",")] if args.capabilities else None
+    args = parse_args(__doc__.splitlines()[0], argv)
+    caps = args.capabilities
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
