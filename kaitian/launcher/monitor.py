@@ -219,6 +219,7 @@ class AgentMonitor:
                                  gridspec_kw={"height_ratios": [3, 2, 3, 2]})
         colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         total_t, total_rate = None, None
+        last_step = 0.0
         for i, (rank, recs) in enumerate(sorted(steps.items())):
             if not recs:
                 continue
@@ -227,7 +228,12 @@ class AgentMonitor:
             t = [r["time"] - t0 for r in recs]
             rate = _smoothed_rate(recs)
             axes[0].plot(t, rate, color=colour, label=label, lw=1.2)
-            axes[1].step(t, [r["samples"] for r in recs], where="post", color=colour, label=label, lw=1.2)
+            # the split: full steps only (an epoch's short last step would read as a dip)
+            full = max(r.get("global_samples", 0) for r in recs)
+            split = [(ti, r["samples"]) for ti, r in zip(t, recs) if r.get("global_samples", 0) == full]
+            axes[1].step([a for a, _ in split], [b for _, b in split], where="post", color=colour,
+                         label=label, lw=1.2)
+            last_step = max(last_step, t[-1])
             comm = _smooth([c for c, _ in waits[rank]])
             wait = _smooth([w for _, w in waits[rank]])
             axes[2].plot(t, [1000 * v for v in _smooth([r["compute_s"] for r in recs])], color=colour,
@@ -261,13 +267,14 @@ class AgentMonitor:
                              label=f"rank {rank} device %")
         axes[0].set_ylabel("samples/s (smoothed)")
         axes[0].set_ylim(bottom=0)
-        axes[1].set_ylabel("batch per step")
+        axes[1].set_ylabel("batch per full step")
         axes[1].set_ylim(bottom=0)
         axes[2].set_ylabel("ms per step (smoothed)")
         axes[2].set_ylim(bottom=0)
         axes[3].set_ylabel("utilisation %")
         axes[3].set_xlabel("seconds since the first training step")
-        axes[3].set_xlim(left=0)
+        # the job's training time; start-up and shutdown samples fall outside
+        axes[3].set_xlim(0, last_step * 1.02 if last_step > 0 else None)
         axes[0].set_title("throughput per rank", fontsize=9, loc="left")
         axes[1].set_title("batch split (re-balancing rounds marked)", fontsize=9, loc="left")
         axes[2].set_title("compute, communication and imbalance wait", fontsize=9, loc="left")
