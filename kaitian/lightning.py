@@ -16,8 +16,10 @@ What the strategy changes against ``DDPStrategy``:
 * the process group backend is ``"kaitian"``;
 * the model is wrapped in :class:`kaitian.DistributedDataParallel`, so the
   gradient is the exact global-batch mean with unequal per-rank batches
-  (also with ``accumulate_grad_batches``: Lightning divides each micro-batch
-  loss by the number of accumulation steps, which kaitian's DDP expects);
+  (with ``accumulate_grad_batches`` Lightning divides each micro-batch loss
+  by the number of accumulation steps, the convention kaitian's DDP expects;
+  the test covers accumulation through kaitian's DDP directly, not through
+  Lightning);
 * Lightning does not re-shard the data: a loader built on a
   :class:`kaitian.DistributedSampler` (``sampler=`` or
   ``batch_sampler=sampler.batch_sampler()``) is kept as it is;

@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback

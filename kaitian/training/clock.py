@@ -15,7 +15,7 @@ accelerator, so only the CPU path is tested.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Dict
 
 import torch
 

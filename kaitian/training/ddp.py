@@ -48,7 +48,8 @@ from kaitian._torch import queue_autograd_callback
 from kaitian.errors import TrainingError
 from kaitian.training.clock import StepClock
 from kaitian.training.listeners import Listeners
-from kaitian.training.weighting import StepCheck, check_steps, exchange_async, rows
+from kaitian.training.exchange import gather_per_rank, rows
+from kaitian.training.weighting import StepCheck, check_steps
 
 __all__ = ["DistributedDataParallel", "StepTiming", "has_batch_norm"]
 
@@ -314,12 +315,12 @@ class DistributedDataParallel(_TorchDDP):
         st.micro += 1
         if not record.sync:
             return
-        from kaitian.training.weighting import _current_epoch
+        from kaitian.training.weighting import current_epoch
 
-        tag = self._kt_check.next_tag(_current_epoch())
+        tag = self._kt_check.next_tag(current_epoch())
         vote = self._kt_vote() if self._kt_vote is not None and self.process_group.rank() == 0 else 0
-        st.counts = exchange_async([st.samples, st.micro, *tag, float(bool(vote))],
-                                   self.process_group, self._kt_device)
+        st.counts = gather_per_rank([st.samples, st.micro, *tag, float(bool(vote))],
+                                    self.process_group, self._kt_device, async_op=True)
         st.totals = None
         ddp_ref = weakref.ref(self)
 

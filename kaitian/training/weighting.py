@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from kaitian.errors import TrainingError
-from kaitian.training.exchange import gather_per_rank, rows
+from kaitian.training.exchange import gather_per_rank
 
-__all__ = ["scale_loss", "global_count", "StepCheck", "check_steps"]
+__all__ = ["scale_loss", "global_count", "StepCheck", "check_steps", "current_epoch"]
 
 Count = Union[int, float, torch.Tensor]
 
@@ -71,7 +71,8 @@ def check_steps(tags: Sequence[Sequence[float]], what: str = "step") -> None:
 _check = StepCheck()
 
 
-def _current_epoch() -> int:
+def current_epoch() -> int:
+    """The epoch of the newest kaitian sampler (0 without one): the tag of each exchange."""
     from kaitian.training.sampler import latest_sampler
 
     sampler = latest_sampler()
@@ -98,7 +99,7 @@ def global_count(count: Count, group: Optional[dist.ProcessGroup] = None) -> flo
     """
     if _world(group) == 1:
         return _as_float(count)
-    counts = gather_per_rank([_as_float(count), *_check.next_tag(_current_epoch())], group)
+    counts = gather_per_rank([_as_float(count), *_check.next_tag(current_epoch())], group)
     check_steps([row[1:] for row in counts])
     return sum(row[0] for row in counts)
 
@@ -140,10 +141,3 @@ def scale_loss(
         raise TrainingError(f"scale_loss: the global count is {total}; every step needs samples")
     return loss * (own * world / total)
 
-
-def exchange_async(values: Sequence[float], group, device):
-    """Starts the per-rank exchange of ``values`` (see :func:`rows` to read it)."""
-    return gather_per_rank(values, group, device, async_op=True)
-
-
-__all__ += ["exchange_async", "rows"]
