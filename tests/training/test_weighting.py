@@ -60,6 +60,8 @@ def test_ranks_at_different_steps_are_named_and_batchnorm_gets_two():
         for out in run.outs:
             with open(out) as f:
                 r = json.loads(f.read())
+            assert r["positional"].startswith("DistributedSampler(dataset, 64): the second argument is "
+                                              "num_replicas"), r["positional"]
             assert r["min_batch"] == 2  # kaitian's DDP saw the BatchNorm
             assert min(r["sizes"]) >= 2  # the short last step too (3+2 of 5, not 4+1)
             for mode in ("torch", "kaitian"):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import kaitian
+import kaitian.errors
 from kaitian.errors import TrainingError
 
 # per step, per rank, per micro-batch: batch sizes (2 ranks)
@@ -174,6 +175,11 @@ class _null:
 def hardening(rank, world):
     """Ranks at different steps are named; BatchNorm raises the sampler's minimum batch."""
     result = {"case": "hardening"}
+    try:  # the pre-torch-order call DistributedSampler(ds, 64) meant batch_size=64
+        kaitian.DistributedSampler(range(100), 64)
+        result["positional"] = "accepted"
+    except kaitian.errors.SplitError as exc:
+        result["positional"] = str(exc)
     sampler = kaitian.DistributedSampler(range(37), batch_size=8, capabilities=[7.0, 1.0])
     bn = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4)).double()
     model = kaitian.DistributedDataParallel(bn)
