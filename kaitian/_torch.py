@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 # --- torchrun's command line -------------------------------------------------
+from torch.distributed.argparse_util import check_env, env  # noqa: F401  (PET_* flag actions)
 from torch.multiprocessing import _set_thread_name as set_thread_name  # noqa: F401
 
 # torch.distributed.run and torch.distributed.launcher.api are resolved on first
@@ -141,6 +142,8 @@ def get_rendezvous_handler(params: "RendezvousParameters") -> "RendezvousHandler
 # The names in _LATE are attributes too (resolved on first use).
 __all__ = [
     "ChildFailedError",
+    "check_env",
+    "env",
     "DefaultLogsSpecs",
     "LogsSpecs",
     "PContext",

@@ -39,6 +39,8 @@ class KaitianLaunch:
         capabilities: device key -> samples/s.
         monitor_dir: ``--monitor`` directory or ``None``.
         omp_from_user: the user set ``OMP_NUM_THREADS``.
+        worker_store_port: node 0 serves the workers' store on this port on
+            every start (``None``: torchrun's port, then a free one per restart).
     """
 
     plans: List[WorkerPlan]
@@ -47,6 +49,7 @@ class KaitianLaunch:
     capabilities: Dict[str, float] = field(default_factory=dict)
     monitor_dir: Optional[str] = None
     omp_from_user: bool = False
+    worker_store_port: Optional[int] = None
 
 
 def _make_monitor(out_dir: str) -> Any:
@@ -121,8 +124,8 @@ def launch_agent(
     monitor = None
     shutdown_rdzv = True
     try:
-        if kaitian.training.monitor_dir:
-            monitor = _make_monitor(kaitian.training.monitor_dir)
+        if kaitian.monitor_dir:
+            monitor = _make_monitor(kaitian.monitor_dir)
             if monitor is not None:
                 monitor.start()
         agent = KaitianAgent(
@@ -135,9 +138,10 @@ def launch_agent(
             log_line_prefix_template=config.log_line_prefix_template,
             shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
             capabilities=kaitian.capabilities,
-            monitor_dir=kaitian.training.monitor_dir,
+            monitor_dir=kaitian.monitor_dir,
             monitor=monitor,
             omp_from_user=kaitian.omp_from_user,
+            worker_store_port=kaitian.worker_store_port,
         )
         _te.metrics.initialize_metrics(_te.metrics.MetricsConfig(config.metrics_cfg))
         try:

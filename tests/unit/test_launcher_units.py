@@ -27,10 +27,12 @@ from kaitian.devices.inventory import (  # noqa: E402
 from kaitian.launcher.layout import Slot, lay_out  # noqa: E402
 from kaitian.launcher.logs import build_logs_specs, line_prefixes  # noqa: E402
 from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers  # noqa: E402
+from kaitian.errors import VersionMismatchError  # noqa: E402
 from kaitian.launcher.rendezvous import (  # noqa: E402
     KaitianRendezvousHandler,
+    NodeInventory,
+    agree_on_placement,
     create_handler,
-    exchange_inventory,
 )
 
 HOST = [
@@ -171,29 +173,82 @@ def test_logs_specs_tee_what_is_not_redirected(tmp_path):
 # --- rendezvous -------------------------------------------------------------------------------
 
 
-def test_exchange_inventory_between_nodes():
-    store = dist.HashStore()
-    store.set_timeout(timedelta(seconds=10))
-    slots = {0: [Slot("cpu", 0, "cpu0", "r")], 1: [Slot("cuda", 1, "cuda", "r"), Slot("cpu", 0, "cpu", "r")]}
-    results = {}
+class _CountingStore:
+    """A store that counts the requests each node makes (to check O(nodes) traffic)."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _agree(store, inventories, serve=None):
+    """Runs one round with one thread per node; returns (plans or errors by rank, requests by rank)."""
+    results, calls = {}, {}
 
     def node(rank):
-        results[rank] = exchange_inventory(store, rank, 2, slots[rank])[1]
+        mine = _CountingStore(store)
+        try:
+            results[rank] = agree_on_placement(mine, rank, len(inventories), inventories[rank],
+                                               serve if rank == 0 else None)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            results[rank] = e
+        calls[rank] = mine.calls
 
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(len(inventories))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(15)
-    assert results[0] == results[1] == [slots[0], slots[1]]
-    # a second round on the same store never returns the first round's inventory
-    slots[0] = [Slot("cpu", 1, "cpu1", "r")]
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-    assert results[0][0] == [Slot("cpu", 1, "cpu1", "r")]
+    return results, calls
+
+
+def _inv(slots, version="1.0", protocol=1, host="h"):
+    return NodeInventory(tuple(slots), host, version, protocol)
+
+
+def test_placement_decided_once_and_published():
+    """Node 0 lays out and publishes; each node makes a constant number of store requests."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    nodes = [_inv([Slot("cpu", 0, "cpu0", "r")]),
+             _inv([Slot("cuda", 1, "cuda", "r"), Slot("cpu", 0, "cpu", "r")]),
+             _inv([Slot("cpu", 0, "cpu0", "r"), Slot("cpu", 1, "cpu1", "r")])]
+    results, calls = _agree(store, nodes, serve=lambda: ("10.0.0.1", 4242))
+    expected = lay_out([n.slots for n in nodes])
+    for rank, plan in results.items():
+        assert [p for p in plan.placements] == [expected[(rank, lr)] for lr in range(len(nodes[rank].slots))]
+        assert plan.worker_store == ("10.0.0.1", 4242) and plan.epoch == 1
+    assert max(calls.values()) <= 4, calls  # add, set, (multi_get, multi_set on node 0), get
+    # a second round on the same store never serves the first round's inventory
+    nodes[0] = _inv([Slot("cuda", 0, "cuda", "r")])
+    results, _ = _agree(store, nodes)
+    assert results[0].placements[0].global_rank == 0 and results[1].placements[0].global_rank == 1
+    assert results[0].epoch == 2 and results[0].worker_store is None
+
+
+def test_version_mismatch_fails_every_node_in_one_line():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    served = []
+    nodes = [_inv([Slot("cpu", 0, "cpu", "r")], host="a"), _inv([Slot("cpu", 0, "cpu", "r")], host="b"),
+             _inv([Slot("cpu", 0, "cpu", "r")], version="0.9", host="c")]
+    results, _ = _agree(store, nodes, serve=lambda: served.append(1))
+    for rank in range(3):
+        assert isinstance(results[rank], VersionMismatchError), results[rank]
+        assert str(results[rank]) == str(results[0]) and "\n" not in str(results[0])
+    assert "node 0 (a) has kaitian 1.0" in str(results[0]) and "node 2 (c) has kaitian 0.9" in str(results[0])
+    assert not served  # nothing is started for a round that cannot run
+    protocol = [_inv([Slot("cpu", 0, "cpu", "r")]), _inv([Slot("cpu", 0, "cpu", "r")], protocol=2)]
+    results, _ = _agree(store, protocol)
+    assert all("bridge protocol 2" in str(results[r]) for r in (0, 1))
 
 
 def test_entry_point_matches_torch_loader():
@@ -215,11 +270,10 @@ def test_kaitian_rendezvous_single_node():
     )
     handler = te.get_rendezvous_handler(params)
     assert isinstance(handler, KaitianRendezvousHandler) and handler.get_backend() == "kaitian"
-    handler.local_slots = [Slot("cpu", 0, "cpu0", "default"), Slot("cpu", 1, "cpu1", "default")]
     try:
         info = handler.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
-        assert handler.inventories == [handler.local_slots]
+        assert handler.last_info is info
         assert handler.get_run_id() == "unit" and handler.use_agent_store
     finally:
         handler.shutdown()
