@@ -6,7 +6,7 @@ torchelastic's join:
 1. every node publishes its :class:`NodeInventory` (its workers' slots, its
    kaitian version and bridge protocol version) in the round's store;
 2. node 0 reads them all (one request), checks the versions, lays the ranks
-   out by vendor (:func:`~kaitian.launcher.layout.lay_out`), decides where the
+   out by vendor (:func:`~kaitian.launcher.placement.lay_out`), decides where the
    workers' store is, and publishes each node its share; every other node reads
    one key (:func:`agree_on_placement`).
 
@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from kaitian import _torch as _te
 from kaitian.errors import KaitianError, RendezvousError, VersionMismatchError
-from kaitian.launcher.layout import Placement, Slot, lay_out
+from kaitian.launcher.placement import Placement, Slot, lay_out
 
 __all__ = [
     "BACKEND_NAME",

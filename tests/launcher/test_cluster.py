@@ -52,9 +52,10 @@ def _env(**extra):
 def _agent(host, run_id, out, *flags, rdzv_host="h0", steps=STEPS, sleep=0.0, extra=(), env=None):
     argv = [sys.executable, "-m", "kaitian.launcher.cli", "--rdzv-backend", "kaitian",
             "--rdzv-endpoint", f"{rdzv_host}:{RDZV_PORT}", "--rdzv-id", run_id, "--rdzv-conf", FAST_RDZV,
-            "--nproc-auto", *flags, worker("cluster_train"), "--out", str(out), "--steps", str(steps),
+            "--nproc-auto", *flags, worker("cluster_train"), "--steps", str(steps),
             "--step-sleep", str(sleep), *extra]
-    return host.popen(argv, env=env or _env())
+    env = dict(env or _env(), KT_OUT=str(out / "results.jsonl"))
+    return host.popen(argv, env=env)
 
 
 def _mix(slots, groups):
@@ -78,7 +79,12 @@ def _finish(procs, timeout=240):
 
 
 def _finals(out):
-    return {int(json.load(open(p))["RANK"]): json.load(open(p)) for p in glob.glob(str(out / "final.*.json"))}
+    """Each rank's final record (``KT_OUT``'s JSON lines), by rank."""
+    with open(out / "results.jsonl") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    by_rank = {int(r["RANK"]): r for r in records}
+    assert len(by_rank) == len(records), "a rank finished twice"
+    return by_rank
 
 
 def _progress(out):

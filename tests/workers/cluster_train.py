@@ -1,6 +1,8 @@
 """Worker: elastic training across hosts with backend kaitian and kaitian.DistributedDataParallel.
 
-``cluster_train.py --out DIR --steps N [--step-sleep S] [--crash GROUP_RANK:STEP]``
+``cluster_train.py --steps N [--step-sleep S] [--crash GROUP_RANK:STEP]``, results as
+JSON lines in ``KT_OUT`` (one per rank, at the end); its directory DIR holds
+the checkpoint, a ``progress`` log and a ``started.*`` marker per worker.
 
 Every step trains on one fixed global batch of ``GLOBAL_BATCH`` samples, split
 unequally across the ranks (rank r's weight is 1 + r % 3); kaitian's DDP
@@ -8,7 +10,7 @@ weights the gradients by batch size, so every step equals a single-process
 step on the whole global batch, whatever the world. Rank 0 checkpoints after
 each step in DIR (atomically); a restarted or re-formed world resumes from the
 checkpoint, so the final weights equal :func:`reference` for any sequence of
-worlds. Each rank writes ``final.RANK.json`` at the end; ``--crash`` makes
+worlds. ``--crash`` makes
 local rank 0 of that node fail once, at that step of the first attempt.
 """
 
@@ -53,14 +55,15 @@ def reference(steps):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--crash", default=None)
     args, _ = parser.parse_known_args()
+    results = os.environ["KT_OUT"]
+    out = os.path.dirname(results)
 
     marker = f"started.{os.environ.get('GROUP_RANK')}.{os.environ.get('LOCAL_RANK')}.{os.getpid()}"
-    open(os.path.join(args.out, marker), "w").close()
+    open(os.path.join(out, marker), "w").close()
 
     import torch.distributed as dist
 
@@ -70,7 +73,7 @@ def main():
     dist.init_process_group("kaitian")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    ckpt = os.path.join(args.out, "ckpt.pt")
+    ckpt = os.path.join(out, "ckpt.pt")
 
     model = make_model()
     start = 0
@@ -101,7 +104,7 @@ def main():
             tmp = f"{ckpt}.{os.getpid()}"
             torch.save({"model": model.state_dict(), "step": step + 1}, tmp)
             os.replace(tmp, ckpt)
-            with open(os.path.join(args.out, "progress"), "a") as f:
+            with open(os.path.join(out, "progress"), "a") as f:
                 f.write(f"{step + 1} {world} {restart} {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n")
         time.sleep(args.step_sleep)
     info = {k: os.environ.get(k) for k in (
@@ -109,8 +112,8 @@ def main():
         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")}
     info.update(host=socket.gethostname(), start_step=start, world=world,
                 params=[p.detach().flatten().tolist() for p in model.parameters()])
-    with open(os.path.join(args.out, f"final.{rank}.json"), "w") as f:
-        json.dump(info, f)
+    with open(results, "a") as f:
+        f.write(json.dumps(info) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
