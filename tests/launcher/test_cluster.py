@@ -14,15 +14,14 @@ final weights must equal a single process trained on the whole batch.
 from __future__ import annotations
 
 import glob
-import importlib.util
-import json
 import os
 import sys
 import time
 
 import pytest
 
-from support import repo_env, worker
+from support import worker
+from support.cluster_results import agent_env as _env, assert_reference_weights, finals
 from support.netns import available, bed
 
 pytestmark = pytest.mark.skipif(
@@ -33,20 +32,6 @@ STEPS = 24
 RDZV_PORT = 29400  # ports inside the bed's own namespaces: nothing else listens there
 FIXED_STORE_PORT = 29555
 FAST_RDZV = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def _reference(steps):
-    spec = importlib.util.spec_from_file_location("cluster_train", worker("cluster_train"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.reference(steps)
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("USE_", "KAITIAN_", "PET_", "TORCHELASTIC_"))}
-    env = repo_env(env, OMP_NUM_THREADS="1")
-    env.update(extra)
-    return env
 
 
 def _agent(host, run_id, out, *flags, rdzv_host="h0", steps=STEPS, sleep=0.0, extra=(), env=None):
@@ -79,12 +64,7 @@ def _finish(procs, timeout=240):
 
 
 def _finals(out):
-    """Each rank's final record (``KT_OUT``'s JSON lines), by rank."""
-    with open(out / "results.jsonl") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    by_rank = {int(r["RANK"]): r for r in records}
-    assert len(by_rank) == len(records), "a rank finished twice"
-    return by_rank
+    return finals(str(out / "results.jsonl"))
 
 
 def _progress(out):
@@ -107,11 +87,8 @@ def _wait_progress(out, procs, pred, timeout=180):
     pytest.fail(f"no progress as expected; progress: {_progress(out)[-5:]}")
 
 
-def _assert_weights(finals, steps=STEPS):
-    want = _reference(steps)
-    for rank, info in finals.items():
-        for got, ref in zip(info["params"], want):
-            assert got == pytest.approx(ref, rel=1e-9, abs=1e-12), f"rank {rank} trained to other weights"
+def _assert_weights(by_rank):
+    assert_reference_weights(by_rank, STEPS)
 
 
 @pytest.mark.parametrize(

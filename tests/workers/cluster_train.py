@@ -109,7 +109,7 @@ def main():
         time.sleep(args.step_sleep)
     info = {k: os.environ.get(k) for k in (
         "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "KAITIAN_GROUP",
-        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")}
+        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")}
     info.update(host=socket.gethostname(), start_step=start, world=world,
                 params=[p.detach().flatten().tolist() for p in model.parameters()])
     with open(results, "a") as f:
