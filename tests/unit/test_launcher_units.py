@@ -312,3 +312,28 @@ def test_quota_mode_without_cgroups(tmp_path, monkeypatch):
     assert cpu_limits.quota_mode("auto") == "signal"
     with pytest.raises(cpu_limits.QuotaUnavailableError, match="not writable"):
         cpu_limits.quota_mode("cgroup")
+
+
+# --- PET_* forms of kaitian's flags ------------------------------------------------------------
+
+_PET_VALUES = {"nproc_auto": ("1", True), "devices": ("cuda:0,cpu", "cuda:0,cpu"), "cpu_slots": ("3", 3),
+               "cpu_groups": ("2", 2), "cpu_quota": ("0.5,1", "0.5,1"), "runtime": ("docker", "docker"),
+               "image": ("cuda=a:1,mlu=b:2", ["cuda=a:1", "mlu=b:2"]), "keep_containers": ("1", True),
+               "volume": ("/a:/b,/c:/d:ro", ["/a:/b", "/c:/d:ro"]), "shm_size": ("8g", "8g"),
+               "monitor": ("/tmp/mon", "/tmp/mon")}
+
+
+def test_every_kaitian_flag_has_a_pet_form(monkeypatch):
+    """As torchrun's flags: PET_<FLAG> sets each kaitian flag; the command line wins over it."""
+    from kaitian.launcher.cli import build_parser
+
+    group = next(g for g in build_parser()._action_groups if g.title == "kaitian")
+    dests = {a.dest for a in group._group_actions}
+    assert dests == set(_PET_VALUES), "a kaitian flag without a PET_ test value"
+    for dest, (raw, _) in _PET_VALUES.items():
+        monkeypatch.setenv(f"PET_{dest.upper()}", raw)
+    args = build_parser().parse_args(["train.py"])
+    for dest, (_, want) in _PET_VALUES.items():
+        assert getattr(args, dest) == want, dest
+    args = build_parser().parse_args(["--cpu-groups", "1", "--image", "cpu=c", "train.py"])
+    assert args.cpu_groups == 1 and args.image == ["cpu=c"]  # flags replace the variables
