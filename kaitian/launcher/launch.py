@@ -102,6 +102,7 @@ def launch_agent(
     rdzv_handler = _te.get_rendezvous_handler(rdzv_parameters)
     if not isinstance(rdzv_handler, KaitianRendezvousHandler):
         rdzv_handler = KaitianRendezvousHandler(rdzv_handler, name=rdzv_handler.get_backend())
+    rdzv_handler.order_nodes = False  # the agent places every worker (kaitian.launcher.rendezvous)
     spec = _te.WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,

@@ -207,22 +207,46 @@ def _astuple(p: Placement) -> tuple:
     return (p.global_rank, p.world_size, p.role_rank, p.role_world_size)
 
 
+def _node_vendor() -> str:
+    """The vendor plain torchrun's workers on this node use: its first selected device's."""
+    from kaitian.devices.inventory import discover, select
+
+    return select(discover(detail=False))[0].vendor
+
+
 class KaitianRendezvousHandler(_te.RendezvousHandler):
-    """Wraps a torchelastic rendezvous: keeps the round's result and fixes scale-up.
+    """Wraps a torchelastic rendezvous: fixes node 0's store address and orders nodes by vendor.
 
     As ``--rdzv-backend kaitian`` it wraps c10d's dynamic rendezvous; the
     launcher also wraps the other backends with it (keeping their name), so
     every backend gets the same behaviour. After :meth:`next_rendezvous`,
     :attr:`last_info` is the round's ``RendezvousInfo``.
 
+    Under plain ``torchrun --rdzv-backend kaitian`` (``order_nodes``), the
+    round's node ranks are decided like kaitianrun's placement, from one slot
+    per node naming its vendor: nodes are ordered by vendor, so torchrun's
+    ranks (node offset + local rank) come out grouped by vendor whenever each
+    node runs one vendor, and the nodes' versions are checked. kaitianrun's
+    agent places every worker itself and turns this off.
+
     Args:
         inner: the rendezvous doing the actual join.
         name: what :meth:`get_backend` reports.
+        order_nodes: order node ranks by vendor (plain torchrun).
+        node_vendor: this node's vendor (default: its first selected device's).
     """
 
-    def __init__(self, inner: "_te.RendezvousHandler", name: str = BACKEND_NAME) -> None:
+    def __init__(
+        self,
+        inner: "_te.RendezvousHandler",
+        name: str = BACKEND_NAME,
+        order_nodes: bool = True,
+        node_vendor: Callable[[], str] = _node_vendor,
+    ) -> None:
         self._inner = inner
         self._name = name
+        self.order_nodes = order_nodes
+        self._node_vendor = node_vendor
         self.last_info: Optional["_te.RendezvousInfo"] = None
 
     def get_backend(self) -> str:
@@ -234,13 +258,29 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
 
     def next_rendezvous(self):
         info = self._inner.next_rendezvous()
-        if info.rank == 0 and info.bootstrap_store_info is not None:
-            # torch 2.13's dynamic rendezvous publishes the agent store's address
-            # only in the round where node 0 created it; a node joining a later
-            # round (scale-up) waits for it in that round's store until it times
-            # out. Node 0 republishes it in every round.
-            info.store.set(_te.RendezvousStoreInfo.MASTER_ADDR_KEY, info.bootstrap_store_info.master_addr)
-            info.store.set(_te.RendezvousStoreInfo.MASTER_PORT_KEY, str(info.bootstrap_store_info.master_port))
+        store, bootstrap = info.store, info.bootstrap_store_info
+        keys = _te.RendezvousStoreInfo
+        if bootstrap is not None:
+            if info.rank == 0:
+                # torch 2.13's dynamic rendezvous publishes the agent store's
+                # address only in the round where node 0 created it; a node
+                # joining a later round (scale-up) would wait for it until it
+                # times out. Node 0 republishes it in every round.
+                store.set(keys.MASTER_ADDR_KEY, bootstrap.master_addr)
+                store.set(keys.MASTER_PORT_KEY, str(bootstrap.master_port))
+            else:
+                # The other nodes cache the first round's address; after the
+                # node that held the store is lost it names a dead node.
+                bootstrap = keys(
+                    bytes(store.get(keys.MASTER_ADDR_KEY)).decode(),
+                    int(bytes(store.get(keys.MASTER_PORT_KEY)).decode()),
+                )
+        rank = info.rank
+        if self.order_nodes:
+            vendor = self._node_vendor()
+            mine = local_inventory([Slot(vendor, 0, vendor, "node")])
+            rank = agree_on_placement(store, info.rank, info.world_size, mine).placements[0].global_rank
+        info = _te.RendezvousInfo(store, rank, info.world_size, bootstrap)
         self.last_info = info
         return info
 

@@ -158,11 +158,17 @@ def test_lost_host_that_held_the_worker_store(tmp_path):
 
 
 def test_max_restarts_across_hosts(tmp_path):
-    """A worker failing on one host restarts the workers of every host; training resumes and finishes."""
+    """A worker failing on one host restarts the workers of every host; training resumes and finishes.
+
+    The workers' store is on a fixed --master-port: node 0 serves the
+    restarted workers a fresh store on that same port.
+    """
     with bed(2) as net:
-        procs = [_agent(h, "restart", tmp_path, "--nnodes", "2", "--max-restarts", "1", *_mix(1, 1),
-                        extra=("--crash", "1:3")) for h in net.hosts]
+        procs = [_agent(h, "restart", tmp_path, "--nnodes", "2", "--max-restarts", "1",
+                        "--master-port", str(FIXED_STORE_PORT), *_mix(1, 1), extra=("--crash", "1:3"))
+                 for h in net.hosts]
         outs = _finish(procs)
+    assert {store for _, _, _, store in _progress(tmp_path)} == {f"h0:{FIXED_STORE_PORT}"}  # both attempts
     assert "planned crash at step 3" in outs[1]
     finals = _finals(tmp_path)
     assert sorted(finals) == [0, 1]

@@ -251,6 +251,41 @@ def test_version_mismatch_fails_every_node_in_one_line():
     assert all("bridge protocol 2" in str(results[r]) for r in (0, 1))
 
 
+class _Round:
+    """A stand-in inner rendezvous: returns a fixed rank and (possibly stale) store address."""
+
+    use_agent_store = True
+
+    def __init__(self, store, rank, world, addr, port):
+        self._info = te.RendezvousInfo(store, rank, world, te.RendezvousStoreInfo(addr, port))
+
+    def next_rendezvous(self):
+        return self._info
+
+
+def test_plain_torchrun_nodes_ordered_by_vendor_and_store_address_fresh():
+    """torchrun --rdzv-backend kaitian: the CUDA node gets rank 0; every node gets node 0's address."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    vendors = {0: "cpu", 1: "cuda", 2: "mlu"}
+    stale = {0: ("h0", 1234), 1: ("dead-host", 999), 2: ("dead-host", 999)}  # torch's cache on nodes 1, 2
+    results = {}
+
+    def node(rank):
+        handler = KaitianRendezvousHandler(_Round(store, rank, 3, *stale[rank]), node_vendor=lambda: vendors[rank])
+        results[rank] = handler.next_rendezvous()
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert {r: results[r].rank for r in range(3)} == {0: 2, 1: 0, 2: 1}  # cuda, mlu, cpu
+    for r in range(3):
+        info = results[r].bootstrap_store_info
+        assert (info.master_addr, info.master_port) == ("h0", 1234)
+
+
 def test_entry_point_matches_torch_loader():
     """pyproject's torchrun.handlers entry point loads the way torch loads it."""
     from importlib.metadata import EntryPoint
