@@ -118,16 +118,17 @@ def test_host_joins_running_job(tmp_path):
     with bed(3) as net:
         h0, h1, h2 = net.hosts
         common = ("--nnodes", "2:3", *_mix(1, 1))
-        first = [_agent(h, "join", tmp_path, *common, sleep=0.3) for h in (h0, h1)]
-        _wait_progress(tmp_path, first, lambda step, world: world == 2 and step >= 3)
-        late = _agent(h2, "join", tmp_path, *common, sleep=0.3)
+        hold = ("--hold", "3:4")  # the 2-host world trains 4 steps, then waits for the third host
+        first = [_agent(h, "join", tmp_path, *common, extra=hold) for h in (h0, h1)]
+        _wait_progress(tmp_path, first, lambda step, world: world == 2 and step >= 4)
+        late = _agent(h2, "join", tmp_path, *common, extra=hold)
         _finish([*first, late])
     finals = _finals(tmp_path)
     assert sorted(finals) == [0, 1, 2]
     for info in finals.values():
         assert info["world"] == 3 and info["GROUP_WORLD_SIZE"] == "3"
         assert info["TORCHELASTIC_RESTART_COUNT"] == "0"  # a membership change is not a restart
-        assert info["start_step"] >= 3  # resumed from the 2-host world's checkpoint
+        assert info["start_step"] == 4  # resumed from the 2-host world's checkpoint
     _assert_weights(finals)
 
 

@@ -1,6 +1,6 @@
 """Worker: elastic training across hosts with backend kaitian and kaitian.DistributedDataParallel.
 
-``cluster_train.py --steps N [--step-sleep S] [--crash GROUP_RANK:STEP]``, results as
+``cluster_train.py --steps N [--step-sleep S] [--crash GROUP_RANK:STEP] [--hold WORLD:STEP]``, results as
 JSON lines in ``KT_OUT`` (one per rank, at the end); its directory DIR holds
 the checkpoint, a ``progress`` log and a ``started.*`` marker per worker.
 
@@ -11,7 +11,9 @@ step on the whole global batch, whatever the world. Rank 0 checkpoints after
 each step in DIR (atomically); a restarted or re-formed world resumes from the
 checkpoint, so the final weights equal :func:`reference` for any sequence of
 worlds. ``--crash`` makes
-local rank 0 of that node fail once, at that step of the first attempt.
+local rank 0 of that node fail once, at that step of the first attempt;
+``--hold`` makes a world smaller than WORLD wait at STEP until the agents
+restart it into a bigger one (at most 180 s).
 """
 
 import argparse
@@ -58,6 +60,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--crash", default=None)
+    parser.add_argument("--hold", default=None)
     args, _ = parser.parse_known_args()
     results = os.environ["KT_OUT"]
     out = os.path.dirname(results)
@@ -91,7 +94,11 @@ def main():
         node, at = args.crash.split(":")
         if os.environ["GROUP_RANK"] == node and os.environ["LOCAL_RANK"] == "0" and restart == 0:
             crash = int(at)
+    hold_world, hold_step = map(int, args.hold.split(":")) if args.hold else (0, -1)
     for step in range(start, args.steps):
+        if step == hold_step and world < hold_world:
+            time.sleep(180)  # the agents restart this world into a bigger one
+            sys.exit(f"no world of {hold_world} after 180 s")
         if step == crash:
             print(f"planned crash at step {step}", flush=True)
             sys.exit(3)
