@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from kaitian import _torch as _te
+from kaitian.devices.device import WorkerDevice
 from kaitian.errors import KaitianError, RendezvousError, VersionMismatchError
 from kaitian.launcher.placement import Placement, Slot, lay_out
 
@@ -211,7 +212,7 @@ def _node_vendor() -> str:
     """The vendor plain torchrun's workers on this node use: its first selected device's."""
     from kaitian.devices.inventory import discover, select
 
-    return select(discover(detail=False))[0].vendor
+    return select(discover(detail=False))[0].type
 
 
 class KaitianRendezvousHandler(_te.RendezvousHandler):
@@ -278,7 +279,7 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
         rank = info.rank
         if self.order_nodes:
             vendor = self._node_vendor()
-            mine = local_inventory([Slot(vendor, 0, vendor, "node")])
+            mine = local_inventory([Slot(WorkerDevice(vendor, 0), "node")])
             rank = agree_on_placement(store, info.rank, info.world_size, mine).placements[0].global_rank
         info = _te.RendezvousInfo(store, rank, info.world_size, bootstrap)
         self.last_info = info

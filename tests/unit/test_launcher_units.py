@@ -24,6 +24,7 @@ from kaitian.devices.inventory import (  # noqa: E402
     parse_devices_flag,
     select,
 )
+from kaitian.devices.device import WorkerDevice  # noqa: E402
 from kaitian.launcher.placement import Slot, lay_out  # noqa: E402
 from kaitian.launcher.logs import build_logs_specs, line_prefixes  # noqa: E402
 from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers  # noqa: E402
@@ -52,7 +53,7 @@ def _keys(devices):
 
 
 def test_layout_homogeneous_is_torchruns():
-    inv = [[Slot("cpu", i, "cpu", "default") for i in range(3)] for _ in range(2)]
+    inv = [[Slot(WorkerDevice("cpu", i, "cpu"), "default") for i in range(3)] for _ in range(2)]
     placements = lay_out(inv)
     for (node, local), p in placements.items():
         assert p.global_rank == node * 3 + local  # torchrun: node offset + local rank
@@ -60,8 +61,8 @@ def test_layout_homogeneous_is_torchruns():
 
 
 def test_layout_groups_by_vendor_across_nodes():
-    node0 = [Slot("cpu", 0, "cpu0", "r"), Slot("cpu", 1, "cpu1", "r")]
-    node1 = [Slot("cpu", 0, "cpu0", "r"), Slot("cuda", 0, "cuda", "r"), Slot("cpu", 1, "cpu1", "r")]
+    node0 = [Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
+    node1 = [Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cuda", 0, "cuda"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
     p = lay_out([node0, node1])
     order = sorted(p, key=lambda k: p[k].global_rank)
     assert order == [(1, 1), (0, 0), (1, 0), (0, 1), (1, 2)]  # cuda, then cpu0, then cpu1
@@ -127,10 +128,10 @@ def test_plan_nproc_auto_groups_and_quota():
     cpu4 = [Device("cpu", i, "c", cpus=(i,)) for i in range(4)]
     plans = plan_workers(nproc_auto=True, nproc_per_node=None, cpu_groups=2, cpu_quota=[0.5, 2.0],
                          env={}, devices=cpu4)
-    assert [p.group for p in plans] == ["cpu0", "cpu0", "cpu1", "cpu1"]
+    assert [p.device.group for p in plans] == ["cpu0", "cpu0", "cpu1", "cpu1"]
     assert [p.cpu_quota for p in plans] == [0.5, 0.5, 2.0, 2.0]
     assert [p.cpus for p in plans] == [(0,), (1,), (2,), (3,)]
-    assert all(p.explicit_group and p.omp_threads == 1 for p in plans)
+    assert all(p.device.explicit_group and p.omp_threads == 1 for p in plans)
 
 
 def test_plan_nproc_per_node_keeps_torchrun_meaning():
@@ -139,7 +140,7 @@ def test_plan_nproc_per_node_keeps_torchrun_meaning():
     plans = plan_workers(nproc_auto=False, nproc_per_node=3, env={"USE_CUDA": "-1", "USE_MLU": "-1"},
                          devices=HOST)
     assert [p.key for p in plans] == ["cpu:0", "cpu:1", "cpu:2"]
-    assert all(p.cpus == () and p.omp_threads is None and not p.explicit_group for p in plans)
+    assert all(p.cpus == () and p.omp_threads is None and not p.device.explicit_group for p in plans)
 
 
 def test_plan_errors():
@@ -218,9 +219,9 @@ def test_placement_decided_once_and_published():
     """Node 0 lays out and publishes; each node makes a constant number of store requests."""
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=10))
-    nodes = [_inv([Slot("cpu", 0, "cpu0", "r")]),
-             _inv([Slot("cuda", 1, "cuda", "r"), Slot("cpu", 0, "cpu", "r")]),
-             _inv([Slot("cpu", 0, "cpu0", "r"), Slot("cpu", 1, "cpu1", "r")])]
+    nodes = [_inv([Slot(WorkerDevice("cpu", 0, "cpu0"), "r")]),
+             _inv([Slot(WorkerDevice("cuda", 1, "cuda"), "r"), Slot(WorkerDevice("cpu", 0, "cpu"), "r")]),
+             _inv([Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")])]
     results, calls = _agree(store, nodes, serve=lambda: ("10.0.0.1", 4242))
     expected = lay_out([n.slots for n in nodes])
     for rank, plan in results.items():
@@ -228,7 +229,7 @@ def test_placement_decided_once_and_published():
         assert plan.worker_store == ("10.0.0.1", 4242) and plan.epoch == 1
     assert max(calls.values()) <= 4, calls  # add, set, (multi_get, multi_set on node 0), get
     # a second round on the same store never serves the first round's inventory
-    nodes[0] = _inv([Slot("cuda", 0, "cuda", "r")])
+    nodes[0] = _inv([Slot(WorkerDevice("cuda", 0, "cuda"), "r")])
     results, _ = _agree(store, nodes)
     assert results[0].placements[0].global_rank == 0 and results[1].placements[0].global_rank == 1
     assert results[0].epoch == 2 and results[0].worker_store is None
@@ -238,15 +239,15 @@ def test_version_mismatch_fails_every_node_in_one_line():
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=10))
     served = []
-    nodes = [_inv([Slot("cpu", 0, "cpu", "r")], host="a"), _inv([Slot("cpu", 0, "cpu", "r")], host="b"),
-             _inv([Slot("cpu", 0, "cpu", "r")], version="0.9", host="c")]
+    nodes = [_inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], host="a"), _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], host="b"),
+             _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], version="0.9", host="c")]
     results, _ = _agree(store, nodes, serve=lambda: served.append(1))
     for rank in range(3):
         assert isinstance(results[rank], VersionMismatchError), results[rank]
         assert str(results[rank]) == str(results[0]) and "\n" not in str(results[0])
     assert "node 0 (a) has kaitian 1.0" in str(results[0]) and "node 2 (c) has kaitian 0.9" in str(results[0])
     assert not served  # nothing is started for a round that cannot run
-    protocol = [_inv([Slot("cpu", 0, "cpu", "r")]), _inv([Slot("cpu", 0, "cpu", "r")], protocol=2)]
+    protocol = [_inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")]), _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], protocol=2)]
     results, _ = _agree(store, protocol)
     assert all("bridge protocol 2" in str(results[r]) for r in (0, 1))
 
@@ -327,14 +328,14 @@ def test_cuda_discovery_from_nvidia_smi(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    cuda = [d for d in discover(detail=True) if d.vendor == "cuda"]
+    cuda = [d for d in discover(detail=True) if d.type == "cuda"]
     assert [d.key for d in cuda] == ["cuda:0", "cuda:1"]
     assert cuda[1].name == "NVIDIA H100 80GB HBM3" and cuda[1].memory_bytes == 81559 << 20
-    assert cuda[1].bus_id == "00000000:3b:00.0" and cuda[1].link == "PCIe5 x16"
-    # torch renumbers what CUDA_VISIBLE_DEVICES shows; so does discovery
+    assert cuda[1].bus_id == "0000:3b:00.0" and cuda[1].link == "PCIe5 x16"  # the kernel's form
+    # CUDA_VISIBLE_DEVICES hides devices; the others keep their physical index
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    cuda = [d for d in discover(detail=True) if d.vendor == "cuda"]
-    assert [(d.key, d.bus_id) for d in cuda] == [("cuda:0", "00000000:3b:00.0")]
+    cuda = [d for d in discover(detail=True) if d.type == "cuda"]
+    assert [(d.key, d.bus_id) for d in cuda] == [("cuda:1", "0000:3b:00.0")]
     table = format_table(cuda)
     assert "79.6 GiB" in table and "PCIe5 x16" in table
 
