@@ -10,10 +10,12 @@ see its ``pkg/controller.v1/pytorch/envvar.go`` and ``master.go``) or what an
 Indexed Job adds (``JOB_COMPLETION_INDEX``), and the command with ``$(VAR)``
 expanded. Each pod then runs on its own host of the multi-host bed.
 
-The one substitution: the bed has no GPUs or MLUs, so a pod's accelerator
-request (``nvidia.com/gpu: N``, ``cambricon.com/mlu: N``) is stood in for by
-N CPU slots (``PET_DEVICES=cpu``, ``PET_CPU_SLOTS=N``), and the training
-script by ``workers/envdump.py``, which records what each worker was given.
+The bed has no GPUs or MLUs, so each pod gets stand-ins for its vendor's
+tools on ``PATH`` answering for what the pod requests (``nvidia.com/gpu: N``
+-> an ``nvidia-smi`` listing N GPUs, ``cambricon.com/mlu: N`` -> a ``cnmon``
+listing N MLUs), which is how kaitian finds devices without torch; the
+training script is replaced by ``workers/envdump.py``, which records what each
+worker was given. Everything else is the manifest's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,28 @@ from support.netns import available, bed
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason=f"{available()} (CI runs these as root)")
 
 MANIFESTS = os.path.join(REPO, "examples", "kubernetes")
-ACCELERATORS = ("nvidia.com/gpu", "cambricon.com/mlu")
+ACCELERATORS = {"nvidia.com/gpu": "cuda", "cambricon.com/mlu": "mlu"}
+
+
+def _stand_in_tools(bin_dir, vendor, count):
+    """A ``nvidia-smi`` / ``cnmon`` on PATH that answers for ``count`` devices, as the real tools print them."""
+    bin_dir.mkdir()
+    if vendor == "cuda":
+        rows = [f"{i}, NVIDIA H100 80GB HBM3, 81559, 00000000:{0x19 + i:02X}:00.0, 5, 16, GPU-{i:08d}-aaaa-bbbb-cccc-dddddddddddd"
+                for i in range(count)]
+        name = "nvidia-smi"
+    else:
+        rows = []
+        for i in range(count):
+            rows += [f"Card {i}", "Product Name                   : MLU370-X8",
+                     f"UUID                           : MLU-{i:02d}a1b2c3d4e5f6", "PCIe info",
+                     f"    Bus Id                     : 0000:{0x1a + i:02x}:00.0", "Physical Memory Usage",
+                     "    Total                      : 24576 MiB"]
+        name = "cnmon"
+    (bin_dir / "out.txt").write_text("\n".join(rows) + "\n")
+    tool = bin_dir / name
+    tool.write_text(f"#!/bin/sh\nexec /bin/cat {bin_dir / 'out.txt'}\n")
+    tool.chmod(0o755)
 
 
 @dataclass
@@ -44,6 +67,7 @@ class Pod:
     name: str
     env: Dict[str, str]
     argv: List[str]
+    vendor: str
     devices: int
     aliases: List[str] = field(default_factory=list)
 
@@ -57,9 +81,9 @@ def _pod(name, container, extra_env, aliases=()):
     env = {e["name"]: str(e["value"]) for e in container.get("env", [])}
     env.update(extra_env)
     limits = container.get("resources", {}).get("limits", {})
-    devices = sum(int(limits.get(r, 0)) for r in ACCELERATORS)
+    ((resource, count),) = [(r, int(n)) for r, n in limits.items() if r in ACCELERATORS]
     argv = _expand([*container.get("command", []), *container.get("args", [])], env)
-    return Pod(name, env, argv, devices, list(aliases))
+    return Pod(name, env, argv, ACCELERATORS[resource], count, list(aliases))
 
 
 def _pytorchjob_pods(doc):
@@ -104,7 +128,9 @@ def _run_pods(pods, tmp_path, timeout=240):
             out = tmp_path / pod.name
             out.mkdir()
             argv = [sys.executable, "-m", "kaitian.launcher.cli", *pod.argv[1:-1], worker("envdump"), str(out)]
-            env = agent_env(**{**pod.env, "PET_DEVICES": "cpu", "PET_CPU_SLOTS": str(pod.devices)})
+            _stand_in_tools(tmp_path / f"{pod.name}-bin", pod.vendor, pod.devices)
+            env = agent_env(**pod.env)
+            env["PATH"] = os.pathsep.join([str(tmp_path / f"{pod.name}-bin"), env["PATH"]])
             procs.append(host.popen(argv, env=env))
         outs = []
         for proc in procs:
@@ -126,14 +152,21 @@ def _check_world(dumps, pods, run_id):
     node0_names = {pods[0].name, *pods[0].aliases}  # torch publishes node 0's FQDN
     for node, pod in enumerate(pods):  # node ranks follow the pod names (the rendezvous sorts them)
         envs = dumps[pod.name]
-        assert len(envs) == pod.devices, pod.name  # one worker per (stood-in) device
+        assert len(envs) == pod.devices, pod.name  # one worker per device
         for e in envs:
             assert e["WORLD_SIZE"] == str(world) and e["GROUP_WORLD_SIZE"] == str(len(pods))
             assert e["LOCAL_WORLD_SIZE"] == str(pod.devices) and e["GROUP_RANK"] == str(node)
             assert e["TORCHELASTIC_RUN_ID"] == run_id and e["TORCHELASTIC_MAX_RESTARTS"] == "3"
             assert e["MASTER_ADDR"] in node0_names and e["MASTER_PORT"] == "29500"  # node 0, the fixed store port
             assert e["KAITIAN_BRIDGE_PORTS"] == "29600-29663"
-            assert e["KAITIAN_DEVICE_TYPE"] == "cpu"
+            assert e["KAITIAN_DEVICE_TYPE"] == pod.vendor  # the pod's image's vendor, found without torch
+        assert sorted(int(e["KAITIAN_DEVICE_INDEX"]) for e in envs) == list(range(pod.devices))
+    # ranks grouped by vendor across pods: CUDA first, then MLU, in pod order
+    by_rank = sorted((int(e["RANK"]), e["KAITIAN_DEVICE_TYPE"], int(e["GROUP_RANK"]))
+                     for envs in dumps.values() for e in envs)
+    assert [v for _, v, _ in by_rank] == sorted((p.vendor for p in pods for _ in range(p.devices)),
+                                                key=["cuda", "mlu"].index)
+    assert [g for _, _, g in by_rank] == sorted(g for _, _, g in by_rank)
 
 
 def test_pytorchjob_pods_form_the_intended_world(tmp_path):
