@@ -2,7 +2,8 @@
 
 The cluster is Debian's slurm-wlm with munge, started by the test as root on
 the multi-host bed (``support.slurm``). When it cannot be brought up, the test
-fails and says why: it is never skipped silently.
+fails and says why; it is skipped only when asked (``KT_SKIP_SLURM=1``, e.g.
+a developer without root), and then still says why.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ STEPS = 4
 def test_sbatch_runs_one_agent_per_node(tmp_path):
     """sbatch --nodes=2: srun starts one kaitianrun per node; the job trains across both nodes."""
     why = available() or missing()
+    if why and os.environ.get("KT_SKIP_SLURM") == "1":
+        pytest.skip(f"KT_SKIP_SLURM=1 and SLURM cannot be brought up here: {why}")
     if why:
-        pytest.fail(f"SLURM cannot be brought up here: {why}")
+        pytest.fail(f"SLURM cannot be brought up here: {why} (KT_SKIP_SLURM=1 skips this test)")
     results = tmp_path / "results.jsonl"
     with bed(2) as net:
         with slurm_cluster(net, str(tmp_path / "slurm")) as slurm_env:
