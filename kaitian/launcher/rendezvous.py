@@ -248,6 +248,7 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
         self._name = name
         self.order_nodes = order_nodes
         self._node_vendor = node_vendor
+        self._vendor: Optional[str] = None
         self.last_info: Optional["_te.RendezvousInfo"] = None
 
     def get_backend(self) -> str:
@@ -278,7 +279,9 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
                 )
         rank = info.rank
         if self.order_nodes:
-            vendor = self._node_vendor()
+            if self._vendor is None:
+                self._vendor = self._node_vendor()  # a node's devices do not change between rounds
+            vendor = self._vendor
             mine = local_inventory([Slot(WorkerDevice(vendor, 0), "node")])
             rank = agree_on_placement(store, info.rank, info.world_size, mine).placements[0].global_rank
         info = _te.RendezvousInfo(store, rank, info.world_size, bootstrap)

@@ -77,13 +77,21 @@ def _remove(ns: str) -> None:
 
 def collect_stale() -> List[str]:
     """Removes beds whose creating process is gone (names carry its pid)."""
+    def dead(name: str) -> bool:
+        parts = name.split("-")
+        return len(parts) >= 3 and parts[0] == _PREFIX and parts[1].isdigit() and not os.path.exists(
+            f"/proc/{parts[1]}")
+
     removed = []
-    for ns in _namespaces():
-        parts = ns.split("-")
-        if len(parts) >= 3 and parts[0] == _PREFIX and parts[1].isdigit():
-            if not os.path.exists(f"/proc/{parts[1]}"):
-                _remove(ns)
-                removed.append(ns)
+    for ns in filter(dead, _namespaces()):
+        _remove(ns)
+        removed.append(ns)
+    tmp = tempfile.gettempdir()
+    for name in filter(dead, os.listdir(tmp)):
+        if name.endswith(".hosts"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(tmp, name))
+            removed.append(name)
     return removed
 
 
