@@ -101,11 +101,11 @@ def from_nvml(nv, sys_root: str = PCI_ROOT) -> List[Device]:
     return devices
 
 
-_SMI_QUERY = "index,name,memory.total,pci.bus_id,pcie.link.gen.max,pcie.link.width.max,uuid"
+SMI_QUERY = "index,name,memory.total,pci.bus_id,pcie.link.gen.max,pcie.link.width.max,uuid"
 
 
 def from_smi(out: str, sys_root: str = PCI_ROOT) -> List[Device]:
-    """``nvidia-smi --query-gpu=<_SMI_QUERY> --format=csv,noheader,nounits`` -> devices."""
+    """``nvidia-smi --query-gpu=<SMI_QUERY> --format=csv,noheader,nounits`` -> devices."""
     devices = []
     for row in csv.reader(io.StringIO(out)):
         if len(row) < 6 or not row[0].strip().isdigit():
@@ -140,8 +140,11 @@ def probe(sys_root: Optional[str] = None) -> List[Device]:
     sys_root = sys_root or PCI_ROOT
     with nvml() as nv:
         if nv is not None:
-            return from_nvml(nv, sys_root)
-    out = run_tool(["nvidia-smi", f"--query-gpu={_SMI_QUERY}", "--format=csv,noheader,nounits"])
+            try:
+                return from_nvml(nv, sys_root)
+            except Exception:  # NVML up but unusable (e.g. driver/library mismatch): ask the others
+                pass
+    out = run_tool(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits"])
     if out is not None:
         return from_smi(out, sys_root)
     return from_sysfs(sys_root)
