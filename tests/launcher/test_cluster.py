@@ -14,6 +14,7 @@ final weights must equal a single process trained on the whole batch.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sys
 import time
@@ -22,7 +23,9 @@ import pytest
 
 from support import worker
 from support.cluster_results import agent_env as _env, assert_reference_weights, finals
+from support.entry_point import entry_point_site
 from support.netns import available, bed
+from support.vendor_tools import stand_in_tools
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason=f"{available()} (CI runs these as root)"
@@ -203,3 +206,31 @@ def test_version_mismatch_is_one_line_before_any_worker_starts(tmp_path):
         assert f"node 0 (h0) has kaitian {kaitian.__version__}" in errors[0]
         assert "node 1 (h1) has kaitian 0.0.0+other" in errors[0]
     assert not glob.glob(str(out / "started.*")), "a worker started"
+
+
+def test_plain_torchrun_orders_hosts_by_vendor(tmp_path):
+    """torchrun --rdzv-backend kaitian on two hosts: the GPU host's workers get the first ranks.
+
+    h0 (CPU only) sorts first in torch's rendezvous; h1 has two GPUs (found
+    through a stand-in nvidia-smi, its workers only record their environment),
+    so the kaitian rendezvous makes h1 node 0.
+    """
+    site = entry_point_site(tmp_path)
+    stand_in_tools(tmp_path / "gpu-bin", "cuda", 2)
+    with bed(2) as net:
+        procs = []
+        for h in net.hosts:
+            out = tmp_path / h.name
+            out.mkdir()
+            env = _env()
+            env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
+            if h.name == "h1":
+                env["PATH"] = os.pathsep.join([str(tmp_path / "gpu-bin"), env["PATH"]])
+            procs.append(h.popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                  "--nproc-per-node", "2", "--rdzv-backend", "kaitian", "--rdzv-endpoint",
+                                  f"h0:{RDZV_PORT}", "--rdzv-id", "plain", "--rdzv-conf", FAST_RDZV,
+                                  worker("envdump"), str(out)], env=env))
+        _finish(procs)
+    ranks = {h: sorted(int(json.load(open(p))["RANK"]) for p in glob.glob(str(tmp_path / h / "env.*.json")))
+             for h in ("h0", "h1")}
+    assert ranks == {"h1": [0, 1], "h0": [2, 3]}

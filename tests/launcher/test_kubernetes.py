@@ -34,32 +34,12 @@ import yaml
 from support import REPO, worker
 from support.cluster_results import agent_env
 from support.netns import available, bed
+from support.vendor_tools import stand_in_tools
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason=f"{available()} (CI runs these as root)")
 
 MANIFESTS = os.path.join(REPO, "examples", "kubernetes")
 ACCELERATORS = {"nvidia.com/gpu": "cuda", "cambricon.com/mlu": "mlu"}
-
-
-def _stand_in_tools(bin_dir, vendor, count):
-    """A ``nvidia-smi`` / ``cnmon`` on PATH that answers for ``count`` devices, as the real tools print them."""
-    bin_dir.mkdir()
-    if vendor == "cuda":
-        rows = [f"{i}, NVIDIA H100 80GB HBM3, 81559, 00000000:{0x19 + i:02X}:00.0, 5, 16, GPU-{i:08d}-aaaa-bbbb-cccc-dddddddddddd"
-                for i in range(count)]
-        name = "nvidia-smi"
-    else:
-        rows = []
-        for i in range(count):
-            rows += [f"Card {i}", "Product Name                   : MLU370-X8",
-                     f"UUID                           : MLU-{i:02d}a1b2c3d4e5f6", "PCIe info",
-                     f"    Bus Id                     : 0000:{0x1a + i:02x}:00.0", "Physical Memory Usage",
-                     "    Total                      : 24576 MiB"]
-        name = "cnmon"
-    (bin_dir / "out.txt").write_text("\n".join(rows) + "\n")
-    tool = bin_dir / name
-    tool.write_text(f"#!/bin/sh\nexec /bin/cat {bin_dir / 'out.txt'}\n")
-    tool.chmod(0o755)
 
 
 @dataclass
@@ -128,7 +108,7 @@ def _run_pods(pods, tmp_path, timeout=240):
             out = tmp_path / pod.name
             out.mkdir()
             argv = [sys.executable, "-m", "kaitian.launcher.cli", *pod.argv[1:-1], worker("envdump"), str(out)]
-            _stand_in_tools(tmp_path / f"{pod.name}-bin", pod.vendor, pod.devices)
+            stand_in_tools(tmp_path / f"{pod.name}-bin", pod.vendor, pod.devices)
             env = agent_env(**pod.env)
             env["PATH"] = os.pathsep.join([str(tmp_path / f"{pod.name}-bin"), env["PATH"]])
             procs.append(host.popen(argv, env=env))
