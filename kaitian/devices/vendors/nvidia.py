@@ -19,8 +19,7 @@ from kaitian.devices.vendors.tools import run_tool
 from kaitian.devices.visible import VISIBLE_INDICES_ENV
 
 __all__ = [
-    "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device", "pin_host",
-    "unpin_host",
+    "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device",
 ]
 
 PCI_VENDOR = 0x10DE
@@ -217,18 +216,3 @@ def set_device(index: int) -> None:
     import torch
 
     torch.cuda.set_device(index)
-
-
-def pin_host(ptr: int, nbytes: int) -> bool:
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    # cudaHostRegisterPortable (1): pinned for every CUDA context in this process.
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)) == 0
-
-
-def unpin_host(ptr: int) -> None:
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(ptr)
