@@ -62,7 +62,7 @@ def _finish(procs, timeout=240):
             out, _ = proc.communicate()
         outs.append(out)
     codes = [p.returncode for p in procs]
-    assert all(c == 0 for c in codes), f"agent exits {codes}:\n" + "\n-----\n".join(o[-2500:] for o in outs)
+    assert all(c == 0 for c in codes), f"agent exits {codes}:\n" + "\n-----\n".join(o[-6000:] for o in outs)
     return outs
 
 
