@@ -53,18 +53,14 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "kaitian"
 _PREFIX = "kaitian/round"
 
-# The inter-host bridge's wire version when the C++ extension does not state
-# one (``kaitian._C.BRIDGE_PROTOCOL``); the backend bumps it with the format.
-_DEFAULT_BRIDGE_PROTOCOL = 1
-
-
 def bridge_protocol() -> int:
-    """The bridge protocol version this node's workers speak."""
+    """The bridge protocol version this node's workers speak (``kaitian._C.BRIDGE_PROTOCOL``,
+    the C++ bridge's own constant; 0 when the extension is not built)."""
     try:
         from kaitian import _C
     except ImportError:
-        return _DEFAULT_BRIDGE_PROTOCOL
-    return int(getattr(_C, "BRIDGE_PROTOCOL", _DEFAULT_BRIDGE_PROTOCOL))
+        return 0
+    return int(_C.BRIDGE_PROTOCOL)
 
 
 @dataclass(frozen=True)
