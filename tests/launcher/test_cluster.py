@@ -100,9 +100,13 @@ def _assert_weights(by_rank):
     ids=["2-hosts", "3-hosts"],
 )
 def test_hosts_train_to_the_weights_of_one_process(tmp_path, mixes):
-    """2 and 3 hosts with different CPU-group mixes form one vendor-grouped world and train exactly."""
+    """2 and 3 hosts with different CPU-group mixes form one vendor-grouped world and train exactly.
+
+    The TCP bridge is held to a small fixed port range, as on a firewalled cluster.
+    """
+    env = _env(KAITIAN_BRIDGE_PORTS="29600-29603")
     with bed(len(mixes)) as net:
-        procs = [_agent(h, "same", tmp_path, "--nnodes", str(len(mixes)), *_mix(*m))
+        procs = [_agent(h, "same", tmp_path, "--nnodes", str(len(mixes)), *_mix(*m), env=env)
                  for h, m in zip(net.hosts, mixes)]
         _finish(procs)
     finals = _finals(tmp_path)
