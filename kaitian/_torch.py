@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 # --- torchrun's command line -------------------------------------------------
+from torch.distributed.argparse_util import check_env, env  # noqa: F401  (PET_* flag actions)
 from torch.multiprocessing import _set_thread_name as set_thread_name  # noqa: F401
 
 # torch.distributed.run and torch.distributed.launcher.api are resolved on first
@@ -176,6 +177,8 @@ def queue_autograd_callback(callback) -> None:
 # The names in _LATE are attributes too (resolved on first use).
 __all__ = [
     "ChildFailedError",
+    "check_env",
+    "env",
     "backend_options",
     "backend_plugins",
     "nccl_options",

@@ -41,6 +41,26 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _EnvList(argparse.Action):
+    """A repeatable flag whose ``PET_<DEST>`` form is a comma list (``PET_IMAGE=cuda=a,mlu=b``).
+
+    The flags given on the command line replace the variable's list, as a
+    torchrun flag replaces its ``PET_*`` value.
+    """
+
+    def __init__(self, dest: str, default=None, **kwargs) -> None:
+        raw = os.environ.get(f"PET_{dest.upper()}", "")
+        default = [v for v in raw.split(",") if v] if raw else list(default or [])
+        super().__init__(dest=dest, default=default, **kwargs)
+        self._from_env = default
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        if current is self._from_env:  # first use on the command line: drop the variable's list
+            current = []
+        setattr(namespace, self.dest, [*current, values])
+
+
 def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     """torchrun's parser with kaitian's flags.
 
@@ -58,48 +78,49 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     k.add_argument(
         "--nproc-auto",
         "--nproc_auto",
-        action="store_true",
+        action=_te.check_env,
         help="one worker per selected device, all vendors (USE_CUDA / USE_MLU / USE_CPU, "
         "or --devices); overrides --nproc-per-node",
     )
     k.add_argument(
         "--devices",
+        action=_te.env,
         default=None,
         metavar="KEYS",
         help="devices to use, as keys: cuda:0,cuda:1,cpu (a bare type = all of it, "
         "type:-1 = none); types not named keep their USE_<TYPE> setting",
     )
     k.add_argument(
-        "--cpu-slots", "--cpu_slots", type=int, default=None, metavar="N",
+        "--cpu-slots", "--cpu_slots", type=int, action=_te.env, default=None, metavar="N",
         help="split this node's cores into N CPU slots (default: one per NUMA node)",
     )
     k.add_argument(
-        "--cpu-groups", "--cpu_groups", type=int, default=None, metavar="N",
+        "--cpu-groups", "--cpu_groups", type=int, action=_te.env, default=None, metavar="N",
         help="split the CPU workers into N simulated vendor groups cpu0..cpuN-1 (KAITIAN_GROUP)",
     )
     k.add_argument(
-        "--cpu-quota", "--cpu_quota", default=None, metavar="Q0,Q1,...",
+        "--cpu-quota", "--cpu_quota", action=_te.env, default=None, metavar="Q0,Q1,...",
         help="cores of CPU time per CPU group (one value for all groups, or one per group)",
     )
     k.add_argument(
-        "--runtime", choices=sorted(RUNTIMES), default="local",
+        "--runtime", action=_te.env, choices=sorted(RUNTIMES), default="local",
         help="where workers run: local subprocesses or per-vendor docker containers",
     )
     k.add_argument(
-        "--image", action="append", default=[], metavar="VENDOR_OR_GROUP=IMAGE",
+        "--image", action=_EnvList, default=[], metavar="VENDOR_OR_GROUP=IMAGE",
         help="docker image for a vendor or group (repeatable), e.g. cuda=kaitian:cuda",
     )
     k.add_argument(
-        "--keep-containers", "--keep_containers", action="store_true",
+        "--keep-containers", "--keep_containers", action=_te.check_env,
         help="docker: leave the containers running after the run (reused next time)",
     )
     k.add_argument(
-        "-v", "--volume", action="append", default=[], metavar="HOST:CTR[:ro]",
+        "-v", "--volume", action=_EnvList, default=[], metavar="HOST:CTR[:ro]",
         help="docker: extra bind mount (repeatable)",
     )
-    k.add_argument("--shm-size", "--shm_size", default="2g", help="docker: /dev/shm size (default 2g)")
+    k.add_argument("--shm-size", "--shm_size", action=_te.env, default="2g", help="docker: /dev/shm size (default 2g)")
     k.add_argument(
-        "--monitor", nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
+        "--monitor", action=_te.env, nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
         help="record per-rank throughput and utilisation; plot + summary in DIR "
         "(default ./kaitian-monitor) when the run ends",
     )
@@ -149,8 +170,16 @@ def _capabilities() -> Dict[str, float]:
         return {}
 
 
-def _resolve_rendezvous(args: argparse.Namespace) -> None:
-    """torchrun's ``run()`` preamble: ``--standalone`` and single-node defaults."""
+def _resolve_rendezvous(args: argparse.Namespace) -> Optional[int]:
+    """torchrun's ``run()`` preamble: ``--standalone`` and single-node defaults.
+
+    Returns:
+        The fixed port of the workers' store: ``--master-port`` (or
+        ``PET_MASTER_PORT``) when given with a dynamic rendezvous (``c10d``,
+        ``kaitian``), where torchrun would ignore it. With ``static`` it is the
+        rendezvous store's own port, which outlives restarts; ``None`` then.
+    """
+    explicit_port = args.master_port
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
@@ -163,6 +192,9 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
             args.rdzv_id = str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    if explicit_port is None or args.rdzv_backend == "static" or args.standalone:
+        return None
+    return int(explicit_port)
 
 
 @_te.record
@@ -179,7 +211,7 @@ def run(args: argparse.Namespace) -> None:
     """
     _check_script(args)
     settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
-    _resolve_rendezvous(args)
+    worker_store_port = _resolve_rendezvous(args)
     known = _te.rendezvous_backend_names()
     if args.rdzv_backend not in known:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend}: unknown; registered: {', '.join(known)}")
@@ -253,6 +285,7 @@ def run(args: argparse.Namespace) -> None:
             capabilities=_capabilities(),
             monitor_dir=monitor_dir,
             omp_from_user=omp_from_user,
+            worker_store_port=worker_store_port,
         )
         _launch(config, cmd, cmd_args, kaitian)
     finally:
