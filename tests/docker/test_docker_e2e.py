@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,19 +15,24 @@ import pytest
 import torch
 
 from support import REPO, worker
-from support.docker import kaitian_containers, test_image
+from support.docker import WORKER_UID, inspect, kaitian_containers, own, test_image
 
 SCRIPT = worker("docker_train")
 
 
 def _kaitianrun():
-    exe = shutil.which("kaitianrun")
-    return [exe] if exe else [sys.executable, "-m", "kaitian.launcher.cli"]
+    # This interpreter's kaitianrun (a venv's, say), never another one on PATH.
+    return [sys.executable, "-m", "kaitian.launcher.cli"]
 
 
 @pytest.fixture(scope="module")
 def image():
     return test_image()
+
+
+@pytest.fixture(autouse=True)
+def _workers_own_the_working_directory(tmp_path):
+    own(str(tmp_path))
 
 
 def _env(out, mode, **extra):
@@ -85,7 +89,7 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
     where = {}
     for runtime in ("local", "docker"):
         out = tmp_path / runtime
-        out.mkdir()
+        own(str(out))
         proc = subprocess.run(
             _kaitianrun() + _args(runtime, image), env=_env(out, "train", DOCKER_E2E_BACKEND=os.environ.get("DOCKER_E2E_BACKEND", "kaitian")),
             cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
@@ -110,7 +114,7 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
 
 def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
     out = tmp_path / "out"
-    out.mkdir()
+    own(str(out))
     proc = subprocess.Popen(
         _kaitianrun() + _args("docker", image, "--max-restarts", "1"), env=_env(out, "restart"),
         cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -138,7 +142,7 @@ def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
 
 def test_failed_job_removes_its_containers(tmp_path, image):
     out = tmp_path / "out"
-    out.mkdir()
+    own(str(out))
     proc = subprocess.Popen(
         _kaitianrun() + _args("docker", image), env=_env(out, "crash"), cwd=str(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -157,7 +161,7 @@ def test_failed_job_removes_its_containers(tmp_path, image):
 
 def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
     out = tmp_path / "out"
-    out.mkdir()
+    own(str(out))
     proc = subprocess.Popen(
         _kaitianrun() + _args("docker", image), env=_env(out, "wait"), cwd=str(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -182,7 +186,7 @@ def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):
     try:
         for attempt in range(2):
             out = tmp_path / f"run{attempt}"
-            out.mkdir()
+            own(str(out))
             proc = subprocess.run(
                 _kaitianrun() + _args("docker", image, "--keep-containers"), env=_env(out, "crash"),
                 cwd=str(tmp_path), capture_output=True, text=True, timeout=120,

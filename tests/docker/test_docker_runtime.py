@@ -18,15 +18,12 @@ import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from support import REPO, TESTS, worker
-from support.docker import TEST_IMAGE, engine, kaitian_containers, test_image
+from support.docker import TEST_IMAGE, WORKER_UID, engine, inspect, kaitian_containers, own, test_image
+from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotFoundError
 from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
-from kaitian.launcher.runtimes.docker.runtime import (
-    DockerRuntime,
-    DockerRuntimeError,
-    DockerUnavailableError,
-    ImageNotFoundError,
-    connect,
-)
+from kaitian.launcher.runtimes.docker.client import connect
+from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
 
 WORKER = worker("docker_runtime")
 
@@ -46,8 +43,8 @@ def run(tmp_path, image):
         run_dir = tmp_path / "run"
         run_dir.mkdir(mode=0o700, exist_ok=True)
         ctx = RunContext(
-            run_id=run_id, run_dir=str(run_dir), log_dir=None, cwd=str(tmp_path),
-            options={"images": images or {"cpu": image}, **options},
+            run_id=run_id, run_dir=str(run_dir), log_dir=None, cwd=own(str(tmp_path)),
+            options=RuntimeOptions(docker=DockerOptions(images=images or {"cpu": image}, **options)),
         )
         rt = DockerRuntime(ctx)
         made.append(rt)
@@ -60,9 +57,9 @@ def run(tmp_path, image):
             c.remove(force=True)
 
 
-def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=Std.NONE):
+def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=Std.NONE, log_dir=None):
     out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
+    own(str(out))
     envs = {}
     for r, w in workers.items():
         envs[r] = {
@@ -76,7 +73,7 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
             "JOB_VARIABLE": f"passed-{r}",
             **(extra_env or {}),
         }
-    logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=redirects, tee=tee)
+    logs = DefaultLogsSpecs(log_dir=str(log_dir or tmp_path / "logs"), redirects=redirects, tee=tee)
     pc = rt.start(
         name="trainer", entrypoint=sys.executable,
         args={r: ("-u", WORKER) for r in workers}, envs=envs, logs_specs=logs,
@@ -137,8 +134,9 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert hc["ShmSize"] == 256 * 2**20
         assert hc["CpusetCpus"] == group[-1]  # slot cpu0 -> core 0, cpu1 -> core 1
         assert hc["CpuShares"] == 1024  # one worker each
-        mounts = {m["Destination"]: m for m in c.attrs["Mounts"]}
-        assert str(tmp_path) in mounts or os.path.dirname(str(tmp_path)) in mounts
+        _assert_hardened(c, image_mounts=engine().images.get(TEST_IMAGE).labels["org.kaitian.host-mounts"])
+        # the run and log directories are inside the working directory: one mount
+        assert _own_mounts(c) == [str(tmp_path)]
     assert containers["cpu1"].attrs["HostConfig"]["CpuQuota"] == 50_000
     assert containers["cpu0"].attrs["HostConfig"]["CpuQuota"] == 0
 
@@ -150,7 +148,8 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert env["KAITIAN_GROUP"] == f"cpu{rank}"
         assert "/host-only-marker" not in env["PATH"]  # the image's PATH, not the host's
         assert info["pid"] == info["pgid"]  # its own process group
-        assert info["uid"] == os.getuid() and info["cwd"] == str(tmp_path)
+        assert info["uid"] == WORKER_UID != 0 and info["cwd"] == str(tmp_path)  # not root
+        assert env["HOME"] == "/tmp"
         assert info["affinity"] == [rank]
         assert info["hostname_ns"] == own_ns["net"] and info["ipc_ns"] == own_ns["ipc"]
         assert info["mnt_ns"] != own_ns["mnt"]  # really inside a container
@@ -175,6 +174,48 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
 
     rt.shutdown()
     assert kaitian_containers(run_id=rt.ctx.run_id) == []
+
+
+def _own_mounts(container):
+    """Bind mounts other than the image's (read-only host Python) ones."""
+    return sorted(m["Destination"] for m in inspect(container)["Mounts"] if m["RW"])
+
+
+def _assert_hardened(container, image_mounts, user=f"{WORKER_UID}:{WORKER_UID}"):
+    """What `docker inspect` must show for every container kaitian creates."""
+    attrs = inspect(container)
+    hc, config = attrs["HostConfig"], attrs["Config"]
+    assert hc["CapDrop"] == ["ALL"] and not hc["CapAdd"]
+    assert "no-new-privileges" in hc["SecurityOpt"]  # (the engine adds label=disable for host IPC)
+    assert hc["ReadonlyRootfs"] is True and "/tmp" in hc["Tmpfs"]
+    assert config["User"] == user
+    # tied to the agent: stdin held by the agent's attach, removed when it stops
+    assert hc["AutoRemove"] is True and config["OpenStdin"] is True and config["StdinOnce"] is True
+    declared = {spec.split(":")[1] for spec in image_mounts.split(",") if spec}
+    read_only = {m["Destination"] for m in attrs["Mounts"] if not m["RW"]}
+    assert read_only == declared  # exactly the image's host paths, all read-only
+    for m in attrs["Mounts"]:
+        assert m["Destination"] not in ("/", "/tmp", "/root", "/home", os.path.expanduser("~")), m
+
+
+def test_mounts_are_exactly_the_run_directories_never_their_parents(run, tmp_path, tmp_path_factory):
+    """A run directory and a log directory outside the working directory are
+    mounted themselves: --log-dir /tmp/x mounts /tmp/x, not the host's /tmp."""
+    rt = run()
+    run_dir = tmp_path_factory.mktemp("elsewhere-run")
+    log_dir = own(str(tmp_path_factory.mktemp("elsewhere-logs")))
+    rt.ctx = RunContext(run_id=rt.ctx.run_id, run_dir=str(run_dir), log_dir=log_dir, cwd=rt.ctx.cwd,
+                        options=rt.ctx.options)
+    pc, _ = _start(rt, tmp_path, _two_groups(), "fail", log_dir=log_dir)
+    try:
+        result = pc.wait(120, period=0.1)
+    finally:
+        pc.close()
+    # the worker (not root) wrote its error file into the mounted log directory
+    assert result.failures[1].error_file.startswith(log_dir)
+    assert "deliberate failure" in result.failures[1].message["message"]
+    for c in kaitian_containers(run_id=rt.ctx.run_id):
+        assert _own_mounts(c) == sorted([str(tmp_path), str(run_dir), log_dir])
 
 
 def test_console_lines_carry_rank_prefixes(run, tmp_path, capfd):
@@ -275,10 +316,11 @@ _KILLED_AGENT = textwrap.dedent("""
     import test_docker_runtime as t
     from kaitian.launcher.runtimes.base import RunContext
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+    from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
     import pathlib
     tmp = pathlib.Path({tmp!r})
     ctx = RunContext(run_id={run_id!r}, run_dir=str(tmp / "run"), log_dir=None, cwd=str(tmp),
-                     options={{"images": {{"cpu": {image!r}}}}})
+                     options=RuntimeOptions(docker=DockerOptions(images={{"cpu": {image!r}}})))
     os.makedirs(ctx.run_dir, exist_ok=True)
     pc, out = t._start(DockerRuntime(ctx), tmp, t._two_groups(), "sleep")
     print("ready", flush=True)
@@ -286,9 +328,23 @@ _KILLED_AGENT = textwrap.dedent("""
 """)
 
 
-def test_containers_of_a_killed_agent_are_collected_at_next_start(tmp_path, image):
+def _gone_within(seconds, check):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def test_containers_die_with_their_agent_killed_by_sigkill(tmp_path, image):
+    """No orphans: the containers hold the agent's stdin attach, so a SIGKILL'd
+    agent takes them and their workers down within seconds, and the next
+    start finds nothing to collect."""
     run_id = f"t{uuid.uuid4().hex[:8]}"
-    code = _KILLED_AGENT.format(repo=REPO, tests=TESTS, here=os.path.dirname(os.path.abspath(__file__)), tmp=str(tmp_path), run_id=run_id, image=image)
+    own(str(tmp_path))
+    code = _KILLED_AGENT.format(repo=REPO, tests=TESTS, here=os.path.dirname(os.path.abspath(__file__)),
+                                tmp=str(tmp_path), run_id=run_id, image=image)
     agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert agent.stdout.readline().strip() == "ready"
@@ -300,18 +356,39 @@ def test_containers_of_a_killed_agent_are_collected_at_next_start(tmp_path, imag
         assert not set(DockerRuntime.collect_stale()) & {c.name for c in left}
         agent.kill()
         agent.wait()
-        removed = DockerRuntime.collect_stale()
-        assert sorted(removed) == sorted(c.name for c in left)
-        assert kaitian_containers(run_id=run_id) == []
-        # the workers died with their containers
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        assert WORKER not in ps
+        assert _gone_within(5, lambda: kaitian_containers(run_id=run_id) == []), kaitian_containers(run_id=run_id)
+        assert _gone_within(5, lambda: WORKER not in subprocess.run(
+            ["ps", "-eo", "args"], capture_output=True, text=True).stdout)
+        assert DockerRuntime.collect_stale() == []  # nothing left for the next start
     finally:
         if agent.poll() is None:
             agent.kill()
             agent.wait()
         for c in kaitian_containers(run_id=run_id):
             c.remove(force=True)
+
+
+def test_untied_containers_of_a_dead_agent_are_collected_at_next_start(image):
+    """An agent killed between creating a container and tying it leaves it
+    behind; the next start removes it (and leaves live agents' and kept ones)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    labels = {"org.kaitian.managed": "1", "org.kaitian.keep": "0", "org.kaitian.run-id": "stale-test",
+              "org.kaitian.agent-host": socket.gethostname(), "org.kaitian.agent-pid": str(dead.pid),
+              "org.kaitian.agent-start": "1"}
+    stale = engine().containers.create(image, ["sleep", "infinity"], labels=labels, detach=True)
+    kept = engine().containers.create(image, ["sleep", "infinity"], detach=True,
+                                      labels={**labels, "org.kaitian.keep": "1", "org.kaitian.run-id": "kept-test"})
+    try:
+        assert stale.name in DockerRuntime.collect_stale()
+        assert kaitian_containers(run_id="stale-test") == []
+        assert kaitian_containers(run_id="kept-test")
+    finally:
+        for c in (stale, kept):
+            try:
+                c.remove(force=True)
+            except Exception:  # noqa: BLE001 (removed by the test already)
+                pass
 
 
 def test_missing_image_is_one_clear_line_and_creates_nothing(run, tmp_path):
@@ -349,7 +426,7 @@ def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):
     import docker
 
     client = docker.DockerClient(base_url=f"unix://{tmp_path}/no-such-docker.sock", version="1.41")
-    ctx = RunContext(run_id="x", run_dir=str(tmp_path), log_dir=None, cwd=str(tmp_path), options={})
+    ctx = RunContext(run_id="x", run_dir=str(tmp_path), log_dir=None, cwd=str(tmp_path))
     with pytest.raises(DockerUnavailableError, match="cannot reach the Docker daemon") as err:
         _start(DockerRuntime(ctx, client=client), tmp_path, _two_groups(), "env")
     assert "\n" not in str(err.value)
@@ -366,7 +443,7 @@ def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):
 
 
 def test_images_build_streams_progress_and_fails_clearly_without_a_registry(capsys, image):
-    from kaitian.launcher.runtimes import images
+    from kaitian.commands import images
 
     tag = "kaitian-test:cpu-host-progress"
     try:

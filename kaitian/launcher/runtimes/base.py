@@ -12,7 +12,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext
+from kaitian._torch import LogsSpecs, PContext
+from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = ["WorkerLaunch", "RunContext", "Runtime"]
 
@@ -25,7 +26,10 @@ class WorkerLaunch:
         local_rank: rank on this node.
         global_rank: rank in the world.
         device_type: vendor device type (``cuda``, ``mlu``, ``cpu``).
-        device_index: the device's index on this host (CPU: the slot index).
+        device_index: the device's index in the agent's view (torch's ordinal
+            under the agent's visibility variable; CPU: the slot index). The
+            docker runtime maps it to the physical device and to the
+            container's numbering.
         group: the worker's kaitian group (``KAITIAN_GROUP``); one container per group.
         cpus: cores the worker is pinned to (empty: no pinning).
         cpu_quota: CPU time the worker's group may use, in cores (``None``: no
@@ -50,15 +54,14 @@ class RunContext:
         run_dir: this node's run directory (``KAITIAN_RUN_DIR``), owner-only.
         log_dir: torchrun's ``--log-dir`` base, or ``None``.
         cwd: the user's working directory.
-        options: runtime-specific options from the command line
-            (docker: ``images``, ``keep_containers``, ``volumes``, ``shm_size``).
+        options: the runtime options, checked once from the command line.
     """
 
     run_id: str
     run_dir: str
     log_dir: Optional[str]
     cwd: str
-    options: Dict[str, object] = field(default_factory=dict)
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
 
 
 class Runtime(abc.ABC):

@@ -2,9 +2,16 @@
 
 The docker runtime is split in two (as torchx's docker scheduler is): this
 module turns a run's workers and options into plain dataclasses describing one
-container per kaitian group and one ``docker exec`` per worker; ``docker.py``
+container per kaitian group and one ``docker exec`` per worker; ``runtime``
 carries them out with the docker SDK. Everything here is pure, so it is unit
 tested without an engine.
+
+Every container is hardened the same way: all capabilities dropped (root,
+only when asked for, keeps ``DAC_OVERRIDE`` to write the agent's owner-only
+directories), ``no-new-privileges``, a read-only root file system with a
+private ``/tmp``, a non-root user, and bind mounts of exactly the directories
+the run needs. Host network and IPC stay: the rendezvous and the
+shared-memory bridge between groups need them.
 """
 
 from __future__ import annotations
@@ -13,137 +20,54 @@ import hashlib
 import json
 import os
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS
-from kaitian.errors import (
-    ContainerLookupError, DockerOptionError, DockerRuntimeError, DockerUnavailableError, ImageNotFoundError,
+from kaitian.errors import DockerOptionError
+from kaitian.launcher.runtimes.docker.devices import ContainerDevices, PhysicalDevice, container_devices
+from kaitian.launcher.runtimes.docker.environment import worker_env
+from kaitian.launcher.runtimes.docker.labels import (
+    LABEL_AGENT_HOST,
+    LABEL_AGENT_PID,
+    LABEL_AGENT_START,
+    LABEL_GROUP,
+    LABEL_KEEP,
+    LABEL_MANAGED,
+    LABEL_RUN_ID,
+    LABEL_SPEC,
+    LABEL_VENDOR,
+    AgentIdentity,
 )
+from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
+from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT
 
 __all__ = [
-    "DockerRuntimeError",
-    "DockerOptionError",
-    "DockerUnavailableError",
-    "ImageNotFoundError",
-    "ContainerLookupError",
-    "AgentIdentity",
-    "Mount",
     "ContainerPlan",
     "ExecPlan",
-    "DockerOptions",
-    "LABEL_PREFIX",
-    "LABEL_HOST_MOUNTS",
-    "LABEL_PYTHON",
-    "WRAPPER_SCRIPT",
-    "parse_volume",
-    "parse_options",
+    "NOBODY",
+    "choose_user",
     "image_for",
     "plan_container",
     "plan_exec",
-    "container_index_map",
-    "worker_env",
-    "stop_command",
     "exit_code_from_docker",
 ]
 
-LABEL_PREFIX = "org.kaitian"
-LABEL_MANAGED = f"{LABEL_PREFIX}.managed"
-LABEL_RUN_ID = f"{LABEL_PREFIX}.run-id"
-LABEL_VENDOR = f"{LABEL_PREFIX}.vendor"
-LABEL_GROUP = f"{LABEL_PREFIX}.group"
-LABEL_AGENT_HOST = f"{LABEL_PREFIX}.agent-host"
-LABEL_AGENT_PID = f"{LABEL_PREFIX}.agent-pid"
-LABEL_AGENT_START = f"{LABEL_PREFIX}.agent-start"
-LABEL_KEEP = f"{LABEL_PREFIX}.keep"
-LABEL_SPEC = f"{LABEL_PREFIX}.spec"
-# Image labels (set by `kaitian images build`): host paths an image needs
-# bind-mounted at the same path (the host-Python test image), and its python.
-LABEL_HOST_MOUNTS = f"{LABEL_PREFIX}.host-mounts"
-LABEL_PYTHON = f"{LABEL_PREFIX}.python"
-
-# The idle main process of a container; workers arrive through `docker exec`.
-IDLE_COMMAND = ("sleep", "infinity")
-
-# Run by `docker exec` for every worker: records the worker's in-container pid
-# (which is also its process group: a docker exec starts a new session; where a
-# runtime does not, setsid makes one without forking), pins it to its slot's
-# cores, then becomes the worker itself so the exec's exit code is the worker's.
-WRAPPER_SCRIPT = (
-    'pidfile=$0; cpus=$1; shift; '
-    'read -r _ _ _ _ pgrp _ < /proc/$$/stat; '
-    'echo $$ > "$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"; '
-    'if [ -n "$cpus" ] && command -v taskset >/dev/null 2>&1; then set -- taskset -c "$cpus" "$@"; fi; '
-    'if [ "$pgrp" != "$$" ]; then set -- setsid "$@"; fi; '
-    'exec "$@"'
-)
-
-# Host variables that describe the host's software, not the job: the image has
-# its own (its PATH, its libraries, its Python).
-_HOST_ONLY_ENV = frozenset(
-    {
-        "PATH", "HOME", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM",
-        "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHOME", "PYTHONEXECUTABLE",
-        "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "CONDA_EXE",
-        "CONDA_PYTHON_EXE", "CONDA_SHLVL", "PYENV_VERSION", "PYENV_DIR",
-        "PYENV_ROOT", "PYENV_HOOK_PATH", "PYENV_SHELL",
-    }
-)
+# The fallback worker user when nothing better is known (see choose_user).
+NOBODY = "65534:65534"
+# Capabilities root keeps when asked for (--container-user root): writing into
+# the agent's owner-only run and log directories. Non-root workers keep none.
+ROOT_CAPABILITIES = ("DAC_OVERRIDE",)
+# The private, writable /tmp of the read-only container (HOME points there).
+TMPFS = {"/tmp": "rw,nosuid,nodev,mode=1777"}
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 
 
 @dataclass(frozen=True)
-class AgentIdentity:
-    """The agent that owns a container, to tell live owners from dead ones.
-
-    Attributes:
-        host: the agent's host name.
-        pid: the agent's process id.
-        start: the agent process's start time (clock ticks since boot), so a
-            recycled pid is not mistaken for the agent.
-    """
-
-    host: str
-    pid: int
-    start: str
-
-
-@dataclass(frozen=True)
-class Mount:
-    """A bind mount ``source`` (host) -> ``target`` (container)."""
-
-    source: str
-    target: str
-    read_only: bool = False
-
-    def to_docker(self) -> Dict[str, object]:
-        """The docker SDK's ``Mount`` keyword arguments."""
-        return {"type": "bind", "source": self.source, "target": self.target, "read_only": self.read_only}
-
-
-@dataclass(frozen=True)
-class DockerOptions:
-    """The docker options of ``RunContext.options``, checked.
-
-    Attributes:
-        images: image per group or vendor name (``--image cuda=repo:tag``).
-        keep_containers: leave containers running after the run for reuse.
-        volumes: extra bind mounts (``-v host:container[:ro]``).
-        shm_size: size of the containers' ``/dev/shm`` (``--shm-size``).
-    """
-
-    images: Mapping[str, str] = field(default_factory=dict)
-    keep_containers: bool = False
-    volumes: Tuple[Mount, ...] = ()
-    shm_size: str = "2g"
-
-
-@dataclass(frozen=True)
 class ContainerPlan:
-    """One long-lived container for one kaitian group on this node.
+    """One container for one kaitian group on this node.
 
     Attributes:
         name: container name.
@@ -152,8 +76,11 @@ class ContainerPlan:
         vendor: the group's device type.
         labels: container labels (run id, vendor, group, owner, spec hash).
         mounts: bind mounts, host paths at identical container paths.
-        devices: device nodes (``host:container:rwm``), e.g. Cambricon's.
-        gpu_ids: host GPU indices passed as an NVIDIA device request.
+        devices: the group's devices as the container holds them.
+        user: ``uid:gid`` of the container's processes (workers included).
+        tied: the container lives only as long as its agent (its main process
+            reads the agent's stdin attach, and the engine removes it when it
+            stops); ``--keep-containers`` containers are not tied.
         cpuset: ``cpuset-cpus`` of the container (``None``: all cores).
         cpu_quota: CPU time the container may use, in cores (``None``: no limit).
         cpu_shares: CPU weight: 1024 per worker, so under contention the
@@ -161,7 +88,6 @@ class ContainerPlan:
         cgroup_parent: cgroup to create the container's cgroup in (``None``:
             the engine's default); see ``plan_container``.
         shm_size: ``--shm-size``.
-        index_map: host device index -> index seen inside the container.
         spec: hash of everything above that shapes the container, so a
             container is reused only when it matches.
     """
@@ -172,42 +98,53 @@ class ContainerPlan:
     vendor: str
     labels: Mapping[str, str]
     mounts: Tuple[Mount, ...]
-    devices: Tuple[str, ...] = ()
-    gpu_ids: Tuple[str, ...] = ()
+    devices: ContainerDevices = field(default_factory=ContainerDevices)
+    user: str = NOBODY
+    tied: bool = True
     cpuset: Optional[str] = None
     cpu_quota: Optional[float] = None
     cpu_shares: int = 1024
     cgroup_parent: Optional[str] = None
     shm_size: str = "2g"
-    index_map: Mapping[int, int] = field(default_factory=dict)
     spec: str = ""
 
     CPU_PERIOD_US = 100_000
 
+    @property
+    def capabilities(self) -> Tuple[str, ...]:
+        """The capabilities the container keeps (all others are dropped)."""
+        return ROOT_CAPABILITIES if self.user == ROOT_USER else ()
+
     def create_kwargs(self) -> Dict[str, object]:
         """Keyword arguments for ``client.containers.create`` (docker SDK).
 
-        Host network and IPC so the shared-memory bridge and the rendezvous work
-        across containers exactly as between local processes; never privileged.
+        A tied container is created like ``docker run -i --rm``: stdin open
+        and closed when its one attached client (the agent) goes away.
         """
         kwargs: Dict[str, object] = {
             "image": self.image,
-            "command": list(IDLE_COMMAND),
+            "command": list(MAIN_TIED if self.tied else MAIN_KEPT),
             "name": self.name,
             "labels": dict(self.labels),
-            "detach": True,
+            "detach": not self.tied,
+            "stdin_open": self.tied,
+            "auto_remove": self.tied,
             "init": True,  # reaps orphans left by exec'd workers
+            "user": self.user,
             "network_mode": "host",
             "ipc_mode": "host",
             "shm_size": self.shm_size,
             "privileged": False,
+            "cap_drop": ["ALL"],
+            "cap_add": list(self.capabilities),
+            "security_opt": ["no-new-privileges"],
+            "read_only": True,
+            "tmpfs": dict(TMPFS),
             "mounts": [m.to_docker() for m in self.mounts],
-            "devices": list(self.devices),
+            "devices": list(self.devices.device_nodes),
         }
-        if self.gpu_ids:
-            kwargs["device_requests"] = [
-                {"driver": "nvidia", "device_ids": list(self.gpu_ids), "capabilities": [["gpu"]]}
-            ]
+        if self.devices.device_requests:
+            kwargs["device_requests"] = [dict(r) for r in self.devices.device_requests]
         if self.cpuset:
             kwargs["cpuset_cpus"] = self.cpuset
         kwargs["cpu_shares"] = self.cpu_shares
@@ -219,12 +156,12 @@ class ContainerPlan:
         return kwargs
 
     def describe(self) -> str:
-        """One line for logs: name, image, devices, cpuset."""
-        parts = [f"{self.name} ({self.image})"]
-        if self.gpu_ids:
-            parts.append(f"gpus {','.join(self.gpu_ids)}")
-        if self.devices:
-            parts.append(f"{len(self.devices)} device nodes")
+        """One line for logs: name, image, devices, cpuset, user."""
+        parts = [f"{self.name} ({self.image})", f"user {self.user}"]
+        for request in self.devices.device_requests:
+            parts.append(f"gpus {','.join(map(str, request.get('device_ids') or []))}")
+        if self.devices.device_nodes:
+            parts.append(f"{len(self.devices.device_nodes)} device nodes")
         if self.cpuset:
             parts.append(f"cpuset {self.cpuset}")
         if self.cpu_quota is not None:
@@ -242,7 +179,7 @@ class ExecPlan:
         cmd: the exec's argv (wrapper script, then the worker's argv).
         env: the worker's environment inside the container.
         workdir: working directory (the user's cwd, mounted at the same path).
-        user: ``uid:gid`` the worker runs as (the agent's, like a local worker).
+        user: ``uid:gid`` the worker runs as (the container's user).
         pid_file: host path where the wrapper writes the in-container pid.
     """
 
@@ -259,49 +196,21 @@ class ExecPlan:
         return [f"{k}={v}" for k, v in self.env.items()]
 
 
-def parse_volume(spec: str) -> Mount:
-    """Parses ``-v HOST:CONTAINER[:ro|rw]`` (``HOST`` alone mounts it at the same path).
+def choose_user(requested: Optional[str], agent_uid: int, agent_gid: int, cwd_owner: Tuple[int, int]) -> str:
+    """The ``uid:gid`` workers run as.
 
-    Raises:
-        DockerOptionError: malformed spec or a relative host path.
+    ``--container-user`` if given; else the agent's own user when it is not
+    root (workers then own their files exactly as local workers do); else,
+    for a root agent, the owner of the working directory (``sudo kaitianrun``
+    in a user's project); else ``nobody``. Root only when asked for.
     """
-    parts = spec.split(":")
-    if not parts[0] or len(parts) > 3:
-        raise DockerOptionError(f"--volume {spec!r}: expected HOST_PATH[:CONTAINER_PATH[:ro|rw]]")
-    source = parts[0]
-    target = parts[1] if len(parts) > 1 and parts[1] else source
-    mode = parts[2] if len(parts) > 2 else "rw"
-    if mode not in ("ro", "rw"):
-        raise DockerOptionError(f"--volume {spec!r}: mode must be 'ro' or 'rw', not {mode!r}")
-    source = os.path.abspath(os.path.expanduser(source))
-    if not os.path.isabs(target):
-        raise DockerOptionError(f"--volume {spec!r}: the container path must be absolute")
-    return Mount(source, target, mode == "ro")
-
-
-_SHM_SIZE = re.compile(r"^\d+(\.\d+)?[bkmgBKMG]?$")
-
-
-def parse_options(options: Mapping[str, object]) -> DockerOptions:
-    """Checks ``RunContext.options`` for the docker runtime.
-
-    Raises:
-        DockerOptionError: a value that cannot be used.
-    """
-    images = dict(options.get("images") or {})  # type: ignore[arg-type]
-    for key, ref in images.items():
-        if not key or not ref:
-            raise DockerOptionError(f"--image {key}={ref}: expected VENDOR_OR_GROUP=IMAGE[:TAG]")
-    volumes = tuple(parse_volume(str(v)) for v in (options.get("volumes") or ()))  # type: ignore[union-attr]
-    shm_size = str(options.get("shm_size") or "2g")
-    if not _SHM_SIZE.match(shm_size):
-        raise DockerOptionError(f"--shm-size {shm_size!r}: expected a size such as 2g or 512m")
-    return DockerOptions(
-        images=images,
-        keep_containers=bool(options.get("keep_containers", False)),
-        volumes=volumes,
-        shm_size=shm_size,
-    )
+    if requested:
+        return requested
+    if agent_uid != 0:
+        return f"{agent_uid}:{agent_gid}"
+    if cwd_owner[0] != 0:
+        return f"{cwd_owner[0]}:{cwd_owner[1]}"
+    return NOBODY
 
 
 def image_for(group: str, vendor: str, images: Mapping[str, str]) -> str:
@@ -318,31 +227,12 @@ def image_for(group: str, vendor: str, images: Mapping[str, str]) -> str:
         ) from None
 
 
-def container_index_map(indices: Iterable[Optional[int]]) -> Dict[int, int]:
-    """Host device index -> index inside a container that sees only these devices.
-
-    Device runtimes number the devices a container can see from 0 in host order.
-    """
-    return {host: i for i, host in enumerate(sorted({x for x in indices if x is not None}))}
-
-
-def _mlu_device_nodes(indices: Sequence[int], present: Iterable[str]) -> Tuple[str, ...]:
-    """Cambricon device nodes for the selected MLUs: control node, cards, IPC nodes."""
-    present = set(present)
-    wanted = ["/dev/cambricon_ctl"]
-    for i in indices:
-        wanted += [f"/dev/cambricon_dev{i}", f"/dev/cambricon_ipcm{i}", f"/dev/ipcm{i}"]
-    missing = [p for p in wanted[:1] + [f"/dev/cambricon_dev{i}" for i in indices] if p not in present]
-    if missing:
-        raise DockerOptionError(
-            f"MLU device node(s) {', '.join(missing)} not found on this host; "
-            "check the Cambricon driver (cnmon) or select other MLUs with USE_MLU"
-        )
-    return tuple(f"{p}:{p}:rwm" for p in wanted if p in present)
-
-
 def _sanitize(text: str) -> str:
     return _NAME_UNSAFE.sub("-", text).strip("-.") or "x"
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
 def plan_container(
@@ -356,6 +246,8 @@ def plan_container(
     log_dirs: Iterable[str],
     options: DockerOptions,
     agent: AgentIdentity,
+    user: str = NOBODY,
+    physical: Sequence[PhysicalDevice] = (),
     image_mounts: Iterable[Mount] = (),
     device_nodes: Iterable[str] = (),
     cgroup_parent: Optional[str] = None,
@@ -367,11 +259,15 @@ def plan_container(
         workers: the group's ``WorkerLaunch`` entries (same device type).
         image: image reference for the group.
         run_id: the rendezvous run id.
-        run_dir: the node's run directory (mounted at the same path).
+        run_dir: the directory holding the node's run state (mounted at the
+            same path): the run directory itself, or for kept containers the
+            directory of all run directories, so later runs reuse them.
         cwd: the user's working directory (mounted at the same path).
         log_dirs: host directories where workers write files (error files).
         options: the checked docker options.
         agent: the owning agent.
+        user: ``uid:gid`` of the workers (``choose_user``).
+        physical: the group's planned devices as the driver names them.
         image_mounts: host paths the image asks for (``org.kaitian.host-mounts``).
         device_nodes: device nodes present on this host (``/dev/...``).
         cgroup_parent: where the container's cgroup goes. By default the engine
@@ -391,45 +287,39 @@ def plan_container(
     if len(vendors) != 1:
         raise DockerOptionError(f"group {group!r} mixes device types {sorted(vendors)}; one vendor per group")
     vendor = vendors.pop()
-    indices = [w.device_index for w in workers if w.device_index is not None]
-
-    gpu_ids: Tuple[str, ...] = ()
-    devices: Tuple[str, ...] = ()
-    index_map: Dict[int, int] = {}
-    if vendor == "cuda":
-        gpu_ids = tuple(str(i) for i in sorted(set(indices)))
-        index_map = container_index_map(indices)
-    elif vendor == "mlu":
-        devices = _mlu_device_nodes(sorted(set(indices)), device_nodes)
-        index_map = container_index_map(indices)
+    devices = container_devices(vendor, physical, device_nodes) if vendor != "cpu" else ContainerDevices()
 
     all_cpus = [c for w in workers for c in w.cpus]
     # Pin the container only when every worker is pinned; otherwise leave it free.
     cpuset = format_cpulist(all_cpus) if all_cpus and all(w.cpus for w in workers) else None
     quotas = {w.cpu_quota for w in workers}
-    cpu_quota = next(iter(quotas)) if len(quotas) == 1 else None
     if len(quotas) > 1:
         raise DockerOptionError(f"group {group!r} has different CPU quotas {sorted(quotas, key=str)}")
+    cpu_quota = next(iter(quotas))
 
     mounts: Dict[str, Mount] = {}
     for m in image_mounts:
         mounts[m.target] = m
-    # The run's own directories at identical paths; one inside another is
+    # Exactly the run's own directories, at identical paths (never a parent:
+    # --log-dir /tmp/x mounts /tmp/x, not /tmp). One inside another is
     # already visible, and dropping it keeps the shape (and so reuse) stable.
-    own = sorted({p for p in (cwd, run_dir, *log_dirs) if p and p != os.devnull}, key=len)
+    own = sorted({os.path.abspath(p) for p in (cwd, run_dir, *log_dirs) if p and p != os.devnull}, key=len)
     for path in own:
-        if not any(path.startswith(m.rstrip("/") + "/") for m in own if m != path):
+        if not any(_inside(path, m) for m in own if m != path):
             mounts[path] = Mount(path, path, False)
     for m in options.volumes:
         mounts[m.target] = m
     ordered_mounts = tuple(mounts[t] for t in sorted(mounts))
+    tied = not options.keep_containers
 
     shape = {
         "image": image,
         "vendor": vendor,
         "mounts": [m.to_docker() for m in ordered_mounts],
-        "devices": list(devices),
-        "gpus": list(gpu_ids),
+        "devices": list(devices.device_nodes),
+        "requests": [dict(r) for r in devices.device_requests],
+        "user": user,
+        "tied": tied,
         "cpuset": cpuset,
         "cpu_quota": cpu_quota,
         "shm": options.shm_size,
@@ -444,15 +334,15 @@ def plan_container(
         LABEL_AGENT_HOST: agent.host,
         LABEL_AGENT_PID: str(agent.pid),
         LABEL_AGENT_START: agent.start,
-        LABEL_KEEP: "1" if options.keep_containers else "0",
+        LABEL_KEEP: "0" if tied else "1",
         LABEL_SPEC: spec,
     }
-    if options.keep_containers:
+    if tied:
+        name = f"kaitian-{_sanitize(run_id)[:40]}-{_sanitize(group)}-{agent.pid}"
+    else:
         # Kept containers outlive the run and are reused by any later run with
         # the same shape, so their name says the shape, not the run.
         name = f"kaitian-{_sanitize(group)}-{spec[:12]}"
-    else:
-        name = f"kaitian-{_sanitize(run_id)[:40]}-{_sanitize(group)}-{agent.pid}"
     return ContainerPlan(
         name=name,
         image=image,
@@ -461,46 +351,15 @@ def plan_container(
         labels=labels,
         mounts=ordered_mounts,
         devices=devices,
-        gpu_ids=gpu_ids,
+        user=user,
+        tied=tied,
         cpuset=cpuset,
         cpu_quota=cpu_quota,
         shm_size=options.shm_size,
         cpu_shares=1024 * max(1, len(workers)),
         cgroup_parent=cgroup_parent,
-        index_map=index_map,
         spec=spec,
     )
-
-
-def worker_env(
-    env: Mapping[str, str],
-    *,
-    vendor: str,
-    index_map: Mapping[int, int],
-    mounted: Sequence[str],
-) -> Dict[str, str]:
-    """The worker's environment as it must look inside the container.
-
-    Host-software variables (``PATH``, ``LD_LIBRARY_PATH``, ``PYTHONHOME`` …) are
-    left to the image; the vendor's visibility variable is renumbered to the
-    container's device numbering; ``TMPDIR`` is kept only if it is mounted.
-    Everything torchrun and kaitianrun set passes through unchanged.
-    """
-    out = {k: v for k, v in env.items() if k not in _HOST_ONLY_ENV}
-    tmp = out.get("TMPDIR")
-    if tmp and not any(tmp == m or tmp.startswith(m.rstrip("/") + "/") for m in mounted):
-        del out["TMPDIR"]
-    visible = VENDORS[vendor].visible_env if vendor in VENDORS else None
-    if visible and visible in out and index_map:
-        renumbered = []
-        for item in out[visible].split(","):
-            item = item.strip()
-            if item.isdigit() and int(item) in index_map:
-                renumbered.append(str(index_map[int(item)]))
-            elif item:
-                renumbered.append(item)
-        out[visible] = ",".join(renumbered)
-    return out
 
 
 def plan_exec(
@@ -512,7 +371,6 @@ def plan_exec(
     env: Mapping[str, str],
     cwd: str,
     pid_file: str,
-    user: str,
     host_python: Sequence[str] = (),
     image_python: str = "python3",
 ) -> ExecPlan:
@@ -526,7 +384,6 @@ def plan_exec(
         env: the worker's full environment as the agent built it.
         cwd: working directory (mounted at the same path).
         pid_file: host path (in the mounted run dir) for the in-container pid.
-        user: ``uid:gid`` to run as.
         host_python: paths of the host's interpreter; an entrypoint equal to one
             of them is replaced by the image's python.
         image_python: the image's python (``org.kaitian.python`` label or ``python3``).
@@ -542,22 +399,17 @@ def plan_exec(
         local_rank=worker.local_rank,
         group=container.group,
         cmd=cmd,
-        env=worker_env(env, vendor=container.vendor, index_map=container.index_map, mounted=mounted),
+        env=worker_env(
+            env,
+            vendor=container.vendor,
+            devices=container.devices,
+            device_index=worker.device_index,
+            mounted=mounted,
+        ),
         workdir=cwd,
-        user=user,
+        user=container.user,
         pid_file=pid_file,
     )
-
-
-def stop_command(pgids: Iterable[int], sig_name: str) -> Tuple[str, ...]:
-    """The in-container command that signals whole worker process groups.
-
-    ``kill`` may fail for groups that are already gone; the others still get
-    the signal, so the exit status is ignored (``|| true`` per group).
-    """
-    sig = sig_name[3:] if sig_name.startswith("SIG") else sig_name
-    parts = [f"kill -s {shlex.quote(sig)} -- -{int(p)} 2>/dev/null || true" for p in pgids]
-    return ("sh", "-c", "; ".join(parts) or "true")
 
 
 def exit_code_from_docker(code: Optional[int]) -> int:

@@ -1,0 +1,69 @@
+"""A worker's environment as it must look inside its container.
+
+Workers inherit the agent's environment (as torch's local subprocesses do)
+minus what describes the host's software rather than the job: the image has
+its own ``PATH``, libraries and Python.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Sequence
+
+from kaitian.devices.vendors import VENDORS
+from kaitian.launcher.runtimes.docker.devices import ContainerDevices, container_visible
+
+__all__ = ["HOST_ONLY_ENV", "worker_env"]
+
+# Host variables that describe the host's software, not the job.
+HOST_ONLY_ENV = frozenset(
+    {
+        "PATH", "HOME", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM",
+        "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHOME", "PYTHONEXECUTABLE",
+        "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "CONDA_EXE",
+        "CONDA_PYTHON_EXE", "CONDA_SHLVL", "PYENV_VERSION", "PYENV_DIR",
+        "PYENV_ROOT", "PYENV_HOOK_PATH", "PYENV_SHELL",
+    }
+)
+
+# Where a worker without a writable home keeps caches (the container's tmpfs).
+CONTAINER_HOME = "/tmp"
+
+
+def worker_env(
+    env: Mapping[str, str],
+    *,
+    vendor: str,
+    devices: ContainerDevices,
+    device_index: Optional[int],
+    mounted: Sequence[str],
+) -> Dict[str, str]:
+    """The worker's environment inside the container.
+
+    Host-software variables (``PATH``, ``LD_LIBRARY_PATH``, ``PYTHONHOME`` …)
+    are left to the image; ``HOME`` is the container's tmpfs; ``TMPDIR`` is
+    kept only if it is mounted. The vendor's visibility variable is renumbered
+    to the container's view, and ``KAITIAN_DEVICE_INDEX`` becomes the
+    container's index of the worker's device, so the worker lands on its
+    planned device whichever of the two it reads. Everything else torchrun
+    and kaitianrun set passes through unchanged.
+
+    Args:
+        env: the worker's environment as the agent built it.
+        vendor: the container's device type.
+        devices: the container's devices.
+        device_index: the worker's planned device index (agent's view).
+        mounted: container paths that are bind mounts of host directories.
+    """
+    out = {k: v for k, v in env.items() if k not in HOST_ONLY_ENV}
+    out["HOME"] = CONTAINER_HOME
+    tmp = out.get("TMPDIR")
+    if tmp and not any(tmp == m or tmp.startswith(m.rstrip("/") + "/") for m in mounted):
+        del out["TMPDIR"]
+    visible = VENDORS[vendor].visible_env if vendor in VENDORS else None
+    if visible and devices.order:
+        out[visible] = container_visible(env.get(visible), devices)
+        inside = devices.container_index(device_index) if device_index is not None else None
+        if inside is not None:
+            out["KAITIAN_DEVICE_INDEX"] = str(inside)
+    out.update(devices.env)
+    return out
