@@ -175,17 +175,17 @@ class KaitianAgent(_te.SimpleElasticAgent):
         }
         local_rank = worker.local_rank
         if spec.virtual_local_rank:
+            # torchrun's meaning (each worker sees one device, as its cuda:0),
+            # on the device kaitian planned for it rather than the local rank-th.
             env["LOCAL_RANK"] = "0"
-            parent = os.getenv("CUDA_VISIBLE_DEVICES")
-            if parent is not None:
-                gpus = parent.split(",")
-                if local_rank >= len(gpus):
-                    raise ValueError(
-                        f"local_rank {local_rank} exceeds available GPUs in CUDA_VISIBLE_DEVICES={parent}"
-                    )
-                env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank].strip()
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
+            plan = self._plans[local_rank]
+            visible_env = _vendors.VENDORS[plan.vendor].visible_env if plan.vendor in _vendors.VENDORS else None
+            if visible_env:
+                parent = os.getenv(visible_env)
+                entries = [e.strip() for e in parent.split(",")] if parent else []
+                if entries and plan.index >= len(entries):
+                    raise ValueError(f"{plan.key} exceeds the devices in {visible_env}={parent}")
+                env[visible_env] = entries[plan.index] if entries else str(plan.index)
         else:
             env["LOCAL_RANK"] = str(local_rank)
             if "CUDA_VISIBLE_DEVICES" in os.environ:

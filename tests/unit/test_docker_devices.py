@@ -133,3 +133,37 @@ def test_mlu_host_visibility_and_missing_nodes():
     assert "/dev/cambricon_dev2:/dev/cambricon_dev2:rwm" in plan.devices.device_nodes
     with pytest.raises(DockerOptionError, match="cambricon_dev5"):
         _gpu_plan([5], {}, vendor="mlu", nodes=MLU_NODES)
+
+
+def _agent_env(plans, local_rank, host_env, monkeypatch):
+    """The torchrun part of a worker's environment under --virtual-local-rank."""
+    from types import SimpleNamespace
+
+    from kaitian.launcher.agent import KaitianAgent
+
+    for k in ("CUDA_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in host_env.items():
+        monkeypatch.setenv(k, v)
+    rdzv = SimpleNamespace(get_run_id=lambda: "r", use_agent_store=False)
+    spec = SimpleNamespace(role="trainer", local_world_size=len(plans), max_restarts=0, rdzv_handler=rdzv,
+                           virtual_local_rank=True)
+    group = SimpleNamespace(spec=spec, group_rank=0, group_world_size=1, master_addr="h", master_port=1)
+    worker = SimpleNamespace(local_rank=local_rank, global_rank=local_rank, role_rank=local_rank,
+                             world_size=len(plans), role_world_size=len(plans))
+    return KaitianAgent._torchrun_env(SimpleNamespace(_plans=plans), group, worker, 0)
+
+
+def test_virtual_local_rank_gives_each_worker_its_planned_device(monkeypatch):
+    """USE_CUDA=1,3 --virtual-local-rank: local rank 1 sees GPU 3 (torch gave it
+    GPU 1, the local rank-th); under host CUDA_VISIBLE_DEVICES the entry of its
+    planned device; an MLU worker its MLU."""
+    from kaitian.launcher.plan import WorkerPlan
+
+    plans = [WorkerPlan("cuda", 1, "cuda"), WorkerPlan("cuda", 3, "cuda")]
+    env = _agent_env(plans, 1, {}, monkeypatch)
+    assert env["LOCAL_RANK"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "3"
+    plans = [WorkerPlan("cuda", 0, "cuda"), WorkerPlan("cuda", 1, "cuda")]
+    assert _agent_env(plans, 1, {"CUDA_VISIBLE_DEVICES": "2,5"}, monkeypatch)["CUDA_VISIBLE_DEVICES"] == "5"
+    mlu = _agent_env([WorkerPlan("mlu", 2, "mlu")], 0, {}, monkeypatch)
+    assert mlu["MLU_VISIBLE_DEVICES"] == "2" and "CUDA_VISIBLE_DEVICES" not in mlu
