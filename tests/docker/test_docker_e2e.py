@@ -16,6 +16,7 @@ import torch
 
 from support import REPO, worker
 from support.docker import WORKER_UID, inspect, kaitian_containers, own, test_image
+from support.kept_logs import RUN_BASE, assert_logs_kept_after_failure, remove_new_kept_logs
 
 SCRIPT = worker("docker_train")
 
@@ -33,6 +34,9 @@ def image():
 @pytest.fixture(autouse=True)
 def _workers_own_the_working_directory(tmp_path):
     own(str(tmp_path))
+    before = set(os.listdir(RUN_BASE)) if os.path.isdir(RUN_BASE) else set()
+    yield
+    remove_new_kept_logs(before)  # failing runs keep their logs; not the tests'
 
 
 def _env(out, mode, **extra):
@@ -229,3 +233,57 @@ def test_unreachable_daemon_fails_with_one_line(tmp_path):
     assert len(errors) == 1 and f"unix://{sock}" in errors[0] and "start it" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert _records(tmp_path, "where") == {}
+
+
+def test_sigkill_of_kaitianrun_leaves_no_container_and_no_worker(tmp_path, image):
+    """The agent killed with SIGKILL (no handler runs): its containers hold its
+    stdin attach, so they and their workers are gone within seconds, and the
+    next start has nothing to collect."""
+    from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+
+    out = tmp_path / "out"
+    own(str(out))
+    proc = subprocess.Popen(
+        _kaitianrun() + _args("docker", image), env=_env(out, "wait"), cwd=str(tmp_path),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_records(out, "where", 2, proc)
+        containers = kaitian_containers(agent_pid=proc.pid)
+        assert len(containers) == 2
+        for c in containers:  # workers are not root, containers are hardened
+            attrs = inspect(c)
+            assert attrs["Config"]["User"] == f"{WORKER_UID}:{WORKER_UID}" and attrs["HostConfig"]["CapDrop"] == ["ALL"]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while (kaitian_containers(agent_pid=proc.pid) or not _no_workers_left()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kaitian_containers(agent_pid=proc.pid) == []
+        assert _no_workers_left()
+        assert DockerRuntime.collect_stale() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for c in kaitian_containers(agent_pid=proc.pid):
+            c.remove(force=True)
+
+
+def test_failed_docker_run_keeps_its_logs(tmp_path, image):
+    """-r 3, no --log-dir: the workers' output (streamed from their containers)
+    survives a failed run, at the printed path."""
+    out = tmp_path / "out"
+    own(str(out))
+    proc = subprocess.Popen(
+        _kaitianrun() + _args("docker", image, "-r", "3"), env=_env(out, "crash"), cwd=str(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_logs_kept_after_failure(proc, stderr)
+    assert kaitian_containers(agent_pid=proc.pid) == []
