@@ -150,6 +150,8 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert info["pid"] == info["pgid"]  # its own process group
         assert info["uid"] == WORKER_UID != 0 and info["cwd"] == str(tmp_path)  # not root
         assert env["HOME"] == "/tmp"
+        # the agent's Python environment (a venv's or conda env's, not its base interpreter)
+        assert info["prefix"] == sys.prefix and info["executable"] == os.path.abspath(sys.executable)
         assert info["affinity"] == [rank]
         assert info["hostname_ns"] == own_ns["net"] and info["ipc_ns"] == own_ns["ipc"]
         assert info["mnt_ns"] != own_ns["mnt"]  # really inside a container
