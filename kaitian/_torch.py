@@ -138,9 +138,48 @@ def get_rendezvous_handler(params: "RendezvousParameters") -> "RendezvousHandler
     return _get(params)
 
 
+# --- torch.distributed's backend registry and autograd engine -----------------
+
+
+def backend_plugins() -> dict:
+    """torch's registry of plug-in backends: ``{"NAME": plugin}`` (``creator_fn``, ``extended_api``)."""
+    import torch.distributed as dist
+
+    return getattr(dist.Backend, "_plugins", {})
+
+
+def backend_options(store, group_rank: int, group_size: int, timeout):
+    """The options object an ``extended_api`` backend creator receives."""
+    from torch.distributed import distributed_c10d
+
+    opts = distributed_c10d._DistributedBackendOptions()
+    opts.store, opts.group_rank, opts.group_size, opts.timeout = store, group_rank, group_size, timeout
+    return opts
+
+
+def nccl_options(timeout):
+    """``ProcessGroupNCCL.Options`` with the group's timeout."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return opts
+
+
+def queue_autograd_callback(callback) -> None:
+    """Runs ``callback`` when the current backward pass finishes (as torch's DDP does)."""
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 # The names in _LATE are attributes too (resolved on first use).
 __all__ = [
     "ChildFailedError",
+    "backend_options",
+    "backend_plugins",
+    "nccl_options",
+    "queue_autograd_callback",
     "DefaultLogsSpecs",
     "LogsSpecs",
     "PContext",

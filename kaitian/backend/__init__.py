@@ -42,7 +42,9 @@ def register_backend() -> None:
 
     if not dist.is_available():
         return
-    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+    from kaitian import _torch
+
+    if BACKEND_NAME.upper() in _torch.backend_plugins():
         return
     dist.Backend.register_backend(
         BACKEND_NAME, _creator, extended_api=True, devices=backend_devices()
