@@ -144,11 +144,13 @@ def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
     assert _no_workers_left()
 
 
-def test_failed_job_removes_its_containers(tmp_path, image):
+def test_failed_job_removes_its_containers_and_keeps_its_logs(tmp_path, image):
+    """-r 3, no --log-dir: the workers' output (streamed from their containers)
+    survives the failed run at the printed path; the containers do not."""
     out = tmp_path / "out"
     own(str(out))
     proc = subprocess.Popen(
-        _kaitianrun() + _args("docker", image), env=_env(out, "crash"), cwd=str(tmp_path),
+        _kaitianrun() + _args("docker", image, "-r", "3"), env=_env(out, "crash"), cwd=str(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -161,6 +163,7 @@ def test_failed_job_removes_its_containers(tmp_path, image):
     assert "exitcode  : 3" in stderr  # torchrun's root-cause summary
     assert len(_records(out, "where")) == 2  # both ran, in containers
     assert kaitian_containers(agent_pid=proc.pid) == []
+    assert_logs_kept_after_failure(proc, stderr)
 
 
 def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
@@ -268,22 +271,3 @@ def test_sigkill_of_kaitianrun_leaves_no_container_and_no_worker(tmp_path, image
             proc.wait()
         for c in kaitian_containers(agent_pid=proc.pid):
             c.remove(force=True)
-
-
-def test_failed_docker_run_keeps_its_logs(tmp_path, image):
-    """-r 3, no --log-dir: the workers' output (streamed from their containers)
-    survives a failed run, at the printed path."""
-    out = tmp_path / "out"
-    own(str(out))
-    proc = subprocess.Popen(
-        _kaitianrun() + _args("docker", image, "-r", "3"), env=_env(out, "crash"), cwd=str(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert_logs_kept_after_failure(proc, stderr)
-    assert kaitian_containers(agent_pid=proc.pid) == []

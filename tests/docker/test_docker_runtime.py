@@ -421,7 +421,9 @@ def test_cuda_group_requests_exactly_its_gpu_from_the_engine(run, tmp_path):
     pc.close()
     (container,) = kaitian_containers(run_id=rt.ctx.run_id)
     (request,) = container.attrs["HostConfig"]["DeviceRequests"]
-    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == ["0"]
+    from kaitian.launcher.runtimes.docker.runtime import _known_uuids
+
+    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == [_known_uuids("cuda").get(0, "0")]
 
 
 def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):

@@ -129,6 +129,7 @@ class DockerRuntime(Runtime):
         self._ties: Dict[str, object] = {}  # container id -> the agent's stdin attach
         self._images: Dict[str, ImageInfo] = {}
         self._parent_cgroup: Optional[str] = None
+        self._uuids: Dict[str, Dict[int, str]] = {}  # vendor -> physical index -> UUID
         self.user = self._worker_user()
 
     @property
@@ -330,7 +331,9 @@ class DockerRuntime(Runtime):
         vendor = workers[0].device_type
         if vendor == "cpu":
             return []
-        uuids = _known_uuids(vendor)
+        if vendor not in self._uuids:
+            self._uuids[vendor] = _known_uuids(vendor)
+        uuids = self._uuids[vendor]
         return [physical_device(vendor, w.device_index, os.environ, uuids) for w in workers if w.device_index is not None]
 
     def _prepare(
