@@ -76,6 +76,9 @@ _WORKER = textwrap.dedent(
 )
 
 
+_USER = f"{os.getuid()}:{os.getgid()}"
+
+
 def _kaitianrun() -> List[str]:
     exe = shutil.which("kaitianrun")
     return [exe] if exe else [sys.executable, "-m", "kaitian.launcher.cli"]
@@ -93,6 +96,8 @@ def _one(runtime: str, args: argparse.Namespace, workdir: str, keep: bool) -> Di
             cmd += ["--image", image]
         if keep:
             cmd.append("--keep-containers")
+        # The workers' user is the local runtime's (this process's): a like-for-like comparison.
+        cmd += ["--container-user", _USER]
     cmd += [os.path.join(workdir, "bench_worker.py"), args.backend, out, str(args.size_mb), str(args.iters)]
     env = dict(os.environ)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -125,7 +130,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     run_dir = os.path.join(workdir, "latency-run")
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     ctx = RunContext(run_id="bench-latency", run_dir=run_dir, log_dir=None, cwd=workdir,
-                     options=RuntimeOptions(docker=DockerOptions.from_flags(images=args.image)))
+                     options=RuntimeOptions(docker=DockerOptions.from_flags(images=args.image, container_user=_USER)))
     cores = sorted(os.sched_getaffinity(0))
     workers = {
         r: WorkerLaunch(r, r, "cpu", r, f"cpu{r % args.groups}", (cores[r % len(cores)],), None)

@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
 from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
@@ -45,8 +45,10 @@ from kaitian.launcher.runtimes.docker.labels import (
     label_filters,
     owner_alive,
 )
-from kaitian.launcher.runtimes.docker.options import DockerOptions
-from kaitian.launcher.runtimes.docker.plan import ContainerPlan, ExecPlan, choose_user, image_for, plan_container, plan_exec
+from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
+from kaitian.launcher.runtimes.docker.plan import (
+    NOBODY, ContainerPlan, ExecPlan, choose_user, image_for, plan_container, plan_exec,
+)
 from kaitian.settings import Settings
 
 __all__ = ["DockerRuntime", "DockerExecContext"]
@@ -142,12 +144,17 @@ class DockerRuntime(Runtime):
     def _worker_user(self) -> str:
         st = os.stat(self.ctx.cwd)
         user = choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
-        if user == "65534:65534" and not self.options.user:
+        if user == NOBODY and not self.options.user:
             logger.warning(
                 "docker: workers run as nobody (65534): the agent is root and so is the owner of %s; "
                 "pass --container-user UID[:GID] (or root) to choose", self.ctx.cwd,
             )
         return user
+
+    @property
+    def _hands_over(self) -> bool:
+        """Whether the (root) agent must give the workers' directories to their user."""
+        return os.getuid() == 0 and self.user != ROOT_USER
 
     # --- the contract --------------------------------------------------------
 
@@ -274,7 +281,7 @@ class DockerRuntime(Runtime):
         if not self.options.keep_containers:
             return run_dir
         base = os.path.dirname(run_dir)
-        if os.getuid() == 0 and not self.user.startswith("0:"):
+        if self._hands_over:
             os.chmod(base, 0o711)  # traversable, not listable: run directories stay owner-only
         return base
 
@@ -372,7 +379,7 @@ class DockerRuntime(Runtime):
 
         pid_dir = os.path.join(self.ctx.run_dir, "docker-pids")
         os.makedirs(pid_dir, mode=0o700, exist_ok=True)
-        if os.getuid() == 0 and not self.user.startswith("0:"):
+        if self._hands_over:
             _grant(self._writable(pc, pid_dir, log_dirs), self.user)
         for group, plan in plans.items():
             self._containers[group] = self._ensure(plan)
