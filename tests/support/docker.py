@@ -72,8 +72,10 @@ def own(path):
 
 def kaitian_containers(**labels):
     """kaitian-managed containers (all states) carrying ``labels`` (short names)."""
-    filters = ["org.kaitian.managed=1"] + [f"org.kaitian.{k.replace('_', '-')}={v}" for k, v in labels.items()]
-    return engine().containers.list(all=True, filters={"label": filters})
+    from kaitian.launcher.runtimes.docker.client import list_containers
+
+    wanted = {"org.kaitian.managed": "1", **{f"org.kaitian.{k.replace('_', '-')}": str(v) for k, v in labels.items()}}
+    return list_containers(engine(), wanted)
 
 
 def inspect(container) -> dict:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional
 
 from kaitian.errors import ContainerLookupError, DockerUnavailableError
 from kaitian.launcher.runtimes.docker.labels import label_filters
 
-__all__ = ["connect", "find_one", "remove_container", "is_not_found"]
+__all__ = ["connect", "list_containers", "find_one", "remove_container", "is_not_found"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +104,30 @@ def remove_container(container: object) -> None:
             logger.info("removed shared memory %s left in container %s", name, container.name)
 
 
+def list_containers(client: object, labels: Mapping[str, str]) -> List[object]:
+    """Containers (any state) carrying ``labels``.
+
+    Unlike ``client.containers.list``, a container removed between the listing
+    and its inspection (an auto-removed one whose agent just ended) is skipped,
+    not an error.
+    """
+    found = []
+    for summary in client.api.containers(all=True, filters=label_filters(labels)):
+        try:
+            found.append(client.containers.get(summary["Id"]))
+        except Exception as exc:  # noqa: BLE001
+            if not is_not_found(exc):
+                raise
+    return found
+
+
 def find_one(client: object, labels: Mapping[str, str]) -> Optional[object]:
     """The one container carrying ``labels``; ``None`` if there is none.
 
     Raises:
         ContainerLookupError: several containers match.
     """
-    found = client.containers.list(all=True, filters=label_filters(labels))
+    found = list_containers(client, labels)
     if len(found) > 1:
         names = ", ".join(sorted(c.name for c in found))
         raise ContainerLookupError(

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 from kaitian._torch import LogsSpecs, PContext
 from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
-from kaitian.launcher.runtimes.docker.client import connect, find_one, is_not_found, remove_container
+from kaitian.launcher.runtimes.docker.client import connect, find_one, is_not_found, list_containers, remove_container
 from kaitian.launcher.runtimes.docker.devices import PhysicalDevice, physical_device
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
 from kaitian.launcher.runtimes.docker.images import ImageInfo, image_info
@@ -42,7 +42,6 @@ from kaitian.launcher.runtimes.docker.labels import (
     LABEL_RUN_ID,
     LABEL_SPEC,
     agent_identity,
-    label_filters,
     owner_alive,
 )
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
@@ -234,7 +233,7 @@ class DockerRuntime(Runtime):
         client = connect(client)
         labels = {LABEL_MANAGED: "1", LABEL_KEEP: "0", LABEL_AGENT_HOST: socket.gethostname()}
         removed = []
-        for c in client.containers.list(all=True, filters=label_filters(labels)):
+        for c in list_containers(client, labels):
             if owner_alive(c.labels):
                 continue
             try:
