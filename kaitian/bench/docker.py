@@ -123,6 +123,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     already created containers. This isolates the runtime's own cost from
     Python/torch start-up, which dominates (and blurs) the whole-job numbers."""
     from kaitian._torch import DefaultLogsSpecs, start_processes
+    from kaitian.devices.device import WorkerDevice
     from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
     from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
@@ -133,7 +134,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
                      options=RuntimeOptions(docker=DockerOptions.from_flags(images=args.image, container_user=_USER)))
     cores = sorted(os.sched_getaffinity(0))
     workers = {
-        r: WorkerLaunch(r, r, "cpu", r, f"cpu{r % args.groups}", (cores[r % len(cores)],), None)
+        r: WorkerLaunch(r, r, WorkerDevice("cpu", r, f"cpu{r % args.groups}"), (cores[r % len(cores)],), None)
         for r in range(args.nproc)
     }
     runtime = DockerRuntime(ctx)

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from support import REPO, TESTS, worker
 from support.docker import TEST_IMAGE, WORKER_UID, engine, inspect, kaitian_containers, own, test_image
 from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotFoundError
+from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
 from kaitian.launcher.runtimes.docker.client import connect
 from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
@@ -85,8 +86,8 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
 
 def _two_groups(quota=None):
     return {
-        0: WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None),
-        1: WorkerLaunch(1, 1, "cpu", 1, "cpu1", (1,), quota),
+        0: WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None),
+        1: WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "cpu1"), (1,), quota),
     }
 
 
@@ -408,7 +409,7 @@ def test_cuda_group_requests_exactly_its_gpu_from_the_engine(run, tmp_path):
     without the NVIDIA toolkit (CI) that fails at start, cleanly, saying what to
     install; with it, the container carries exactly the selected GPU."""
     rt = run(images={"cuda": TEST_IMAGE})
-    workers = {0: WorkerLaunch(0, 0, "cuda", 0, "cuda")}
+    workers = {0: WorkerLaunch(0, 0, WorkerDevice("cuda", 0, "cuda"))}
     if "nvidia" not in (engine().info().get("Runtimes") or {}):
         with pytest.raises(DockerRuntimeError) as err:
             _start(rt, tmp_path, workers, "env")
@@ -421,9 +422,7 @@ def test_cuda_group_requests_exactly_its_gpu_from_the_engine(run, tmp_path):
     pc.close()
     (container,) = kaitian_containers(run_id=rt.ctx.run_id)
     (request,) = container.attrs["HostConfig"]["DeviceRequests"]
-    from kaitian.launcher.runtimes.docker.runtime import _known_uuids
-
-    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == [_known_uuids("cuda").get(0, "0")]
+    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == ["0"]  # no UUID known: by index
 
 
 def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kaitian.errors import DockerOptionError
+from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.runtimes.base import WorkerLaunch
 from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_PID,
@@ -38,7 +39,7 @@ AGENT = AgentIdentity(host="node0", pid=4242, start="12345")
 
 def _plan(workers, *, options=DockerOptions(), log_dirs=("/logs",), **kw):
     return plan_container(
-        group=workers[0].group,
+        group=workers[0].device.group,
         workers=workers,
         image=kw.pop("image", "kaitian:cpu"),
         run_id="run-1",
@@ -107,8 +108,8 @@ def test_image_for_prefers_group_then_vendor_then_table():
 
 def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     workers = [
-        WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0, 1), 1.5),
-        WorkerLaunch(1, 1, "cpu", 1, "cpu0", (2, 3), 1.5),
+        WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0, 1), 1.5),
+        WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "cpu0"), (2, 3), 1.5),
     ]
     plan = _plan(workers)
     kw = plan.create_kwargs()
@@ -134,20 +135,20 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
 
 
 def test_unpinned_workers_leave_container_unpinned():
-    plan = _plan([WorkerLaunch(0, 0, "cpu", 0, "cpu", (), None)])
+    plan = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu"), (), None)])
     kw = plan.create_kwargs()
     assert "cpuset_cpus" not in kw and "cpu_quota" not in kw
 
 
 def test_group_must_be_one_vendor_and_one_quota():
     with pytest.raises(DockerOptionError, match="mixes"):
-        _plan([WorkerLaunch(0, 0, "cpu", 0, "g"), WorkerLaunch(1, 1, "cuda", 0, "g")])
+        _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "g")), WorkerLaunch(1, 1, WorkerDevice("cuda", 0, "g"))])
     with pytest.raises(DockerOptionError, match="quotas"):
-        _plan([WorkerLaunch(0, 0, "cpu", 0, "g", (0,), 1.0), WorkerLaunch(1, 1, "cpu", 1, "g", (1,), 2.0)])
+        _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "g"), (0,), 1.0), WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "g"), (1,), 2.0)])
 
 
 def test_user_volumes_and_image_mounts_and_spec_hash():
-    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     base = _plan(w)
     user = _plan(w, options=DockerOptions(volumes=(Mount("/data", "/data", True),)),
                  image_mounts=(Mount("/usr", "/usr", True),))
@@ -159,7 +160,7 @@ def test_user_volumes_and_image_mounts_and_spec_hash():
 
 
 def test_keep_containers_are_named_by_shape_not_run():
-    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     kept = _plan(w, options=DockerOptions(keep_containers=True))
     assert kept.labels[LABEL_KEEP] == "1"
     kw = kept.create_kwargs()
@@ -169,7 +170,7 @@ def test_keep_containers_are_named_by_shape_not_run():
 
 
 def test_plan_exec_maps_host_python_and_keeps_job_env():
-    w = WorkerLaunch(1, 5, "cpu", 1, "cpu1", (2, 3), None)
+    w = WorkerLaunch(1, 5, WorkerDevice("cpu", 1, "cpu1"), (2, 3), None)
     container = _plan([w], user="1000:1000")
     env = {"PATH": "/h", "LD_LIBRARY_PATH": "/h/lib", "RANK": "5", "KAITIAN_GROUP": "cpu1",
            "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500", "PYENV_VERSION": "3.11", "HOME": "/root",
@@ -245,7 +246,7 @@ def test_wrapper_records_pid_pins_and_makes_a_process_group(tmp_path):
 
 
 def test_directories_inside_mounted_ones_are_not_mounted_again():
-    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     plan = _plan(w, log_dirs=("/tmp/kaitian-0/run.123/logs", "/var/log/job"))
     targets = [m.target for m in plan.mounts]
     assert targets == ["/home/u/proj", "/tmp/kaitian-0", "/var/log/job"]
@@ -256,7 +257,7 @@ def test_directories_inside_mounted_ones_are_not_mounted_again():
 def test_mounts_are_exactly_the_run_directories_never_a_parent():
     """--log-dir /tmp/x mounts /tmp/x (not the host's /tmp); nothing else of
     the host is visible but the image's read-only mounts and user volumes."""
-    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     plan = plan_container(group="cpu0", workers=w, image="kaitian:cpu", run_id="r", run_dir="/tmp/kaitian-0/r.1.abc",
                           cwd="/home/u/proj", log_dirs=("/tmp/x",), options=DockerOptions(), agent=AGENT,
                           image_mounts=(Mount("/usr", "/usr", True),))
@@ -269,7 +270,7 @@ def test_mounts_are_exactly_the_run_directories_never_a_parent():
 
 @pytest.mark.parametrize("user,caps", [("1000:1000", []), (NOBODY, []), ("0:0", ["DAC_OVERRIDE"])])
 def test_containers_are_hardened(user, caps):
-    kw = _plan([WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)], user=user).create_kwargs()
+    kw = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)], user=user).create_kwargs()
     assert kw["cap_drop"] == ["ALL"] and kw["cap_add"] == caps
     assert kw["security_opt"] == ["no-new-privileges"]
     assert kw["read_only"] is True and list(kw["tmpfs"]) == ["/tmp"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
+from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = ["WorkerLaunch", "RunContext", "Runtime"]
@@ -25,12 +26,8 @@ class WorkerLaunch:
     Attributes:
         local_rank: rank on this node.
         global_rank: rank in the world.
-        device_type: vendor device type (``cuda``, ``mlu``, ``cpu``).
-        device_index: the device's index in the agent's view (torch's ordinal
-            under the agent's visibility variable; CPU: the slot index). The
-            docker runtime maps it to the physical device and to the
-            container's numbering.
-        group: the worker's kaitian group (``KAITIAN_GROUP``); one container per group.
+        device: the worker's device (physical index; CPU: the slot index) and
+            kaitian group (``KAITIAN_GROUP``); one container per group.
         cpus: cores the worker is pinned to (empty: no pinning).
         cpu_quota: CPU time the worker's group may use, in cores (``None``: no
             limit). Used to simulate slower devices on a CPU-only host.
@@ -38,9 +35,7 @@ class WorkerLaunch:
 
     local_rank: int
     global_rank: int
-    device_type: str
-    device_index: Optional[int]
-    group: str
+    device: WorkerDevice
     cpus: Tuple[int, ...] = ()
     cpu_quota: Optional[float] = None
 

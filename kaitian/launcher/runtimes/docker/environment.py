@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Dict, Mapping, Optional, Sequence
 
+from kaitian.devices.device import ContainerDevices, WorkerDevice
 from kaitian.devices.vendors import VENDORS
-from kaitian.launcher.runtimes.docker.devices import ContainerDevices, container_visible
+from kaitian.devices.visible import VISIBLE_INDICES_ENV, parse_visible
 
 __all__ = ["HOST_ONLY_ENV", "worker_env"]
 
@@ -34,24 +35,26 @@ def worker_env(
     *,
     vendor: str,
     devices: ContainerDevices,
-    device_index: Optional[int],
+    device: Optional[WorkerDevice],
     mounted: Sequence[str],
 ) -> Dict[str, str]:
     """The worker's environment inside the container.
 
     Host-software variables (``PATH``, ``LD_LIBRARY_PATH``, ``PYTHONHOME`` …)
     are left to the image; ``HOME`` is the container's tmpfs; ``TMPDIR`` is
-    kept only if it is mounted. The vendor's visibility variable is renumbered
-    to the container's view, and ``KAITIAN_DEVICE_INDEX`` becomes the
-    container's index of the worker's device, so the worker lands on its
-    planned device whichever of the two it reads. Everything else torchrun
-    and kaitianrun set passes through unchanged.
+    kept only if it is mounted. The container's view of its devices (the
+    vendor's visibility variable, ``KAITIAN_VISIBLE_INDICES``: see
+    :func:`kaitian.devices.container.container_devices`) replaces the host's;
+    ``KAITIAN_DEVICE_INDEX`` stays the physical index. A worker the agent
+    limited to its own device (``--virtual-local-rank``) keeps seeing only
+    that one, as the container numbers it. Everything else torchrun and
+    kaitianrun set passes through unchanged.
 
     Args:
         env: the worker's environment as the agent built it.
         vendor: the container's device type.
         devices: the container's devices.
-        device_index: the worker's planned device index (agent's view).
+        device: the worker's device.
         mounted: container paths that are bind mounts of host directories.
     """
     out = {k: v for k, v in env.items() if k not in HOST_ONLY_ENV}
@@ -59,11 +62,12 @@ def worker_env(
     tmp = out.get("TMPDIR")
     if tmp and not any(tmp == m or tmp.startswith(m.rstrip("/") + "/") for m in mounted):
         del out["TMPDIR"]
+    view = dict(devices.env)
     visible = VENDORS[vendor].visible_env if vendor in VENDORS else None
-    if visible and devices.order:
-        out[visible] = container_visible(env.get(visible), devices)
-        inside = devices.container_index(device_index) if device_index is not None else None
-        if inside is not None:
-            out["KAITIAN_DEVICE_INDEX"] = str(inside)
-    out.update(devices.env)
+    if visible and visible in view and device is not None and device.index in devices.index_map:
+        own_only = len(parse_visible(env.get(visible) or "")) == 1 and len(devices.index_map) > 1
+        if own_only:
+            view[visible] = parse_visible(view[visible])[devices.index_map[device.index]]
+            view[VISIBLE_INDICES_ENV] = str(device.index)
+    out.update(view)
     return out

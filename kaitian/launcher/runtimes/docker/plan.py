@@ -26,7 +26,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS
 from kaitian.errors import DockerOptionError
-from kaitian.launcher.runtimes.docker.devices import ContainerDevices, PhysicalDevice, container_devices
+from kaitian.devices.container import container_devices
+from kaitian.devices.device import ContainerDevices
 from kaitian.launcher.runtimes.docker.environment import worker_env
 from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_HOST,
@@ -247,9 +248,8 @@ def plan_container(
     options: DockerOptions,
     agent: AgentIdentity,
     user: str = NOBODY,
-    physical: Sequence[PhysicalDevice] = (),
     image_mounts: Iterable[Mount] = (),
-    device_nodes: Iterable[str] = (),
+    device_nodes: Optional[Iterable[str]] = None,
     cgroup_parent: Optional[str] = None,
 ) -> ContainerPlan:
     """Plans the container of one group.
@@ -267,9 +267,8 @@ def plan_container(
         options: the checked docker options.
         agent: the owning agent.
         user: ``uid:gid`` of the workers (``choose_user``).
-        physical: the group's planned devices as the driver names them.
         image_mounts: host paths the image asks for (``org.kaitian.host-mounts``).
-        device_nodes: device nodes present on this host (``/dev/...``).
+        device_nodes: device nodes present on this host (default: look in ``/dev``).
         cgroup_parent: where the container's cgroup goes. By default the engine
             nests every container under one cgroup (``/docker``) that weighs as
             much as a single process, so on a busy host containerised workers
@@ -281,13 +280,14 @@ def plan_container(
         The container plan.
 
     Raises:
-        DockerOptionError: the group mixes device types or a device is missing.
+        DockerOptionError: the group mixes device types or CPU quotas.
+        DeviceSelectionError: a device the container needs is missing on this host.
     """
-    vendors = {w.device_type for w in workers}
+    vendors = {w.device.type for w in workers}
     if len(vendors) != 1:
         raise DockerOptionError(f"group {group!r} mixes device types {sorted(vendors)}; one vendor per group")
     vendor = vendors.pop()
-    devices = container_devices(vendor, physical, device_nodes) if vendor != "cpu" else ContainerDevices()
+    devices = container_devices(vendor, [w.device for w in workers], device_nodes)
 
     all_cpus = [c for w in workers for c in w.cpus]
     # Pin the container only when every worker is pinned; otherwise leave it free.
@@ -403,7 +403,7 @@ def plan_exec(
             env,
             vendor=container.vendor,
             devices=container.devices,
-            device_index=worker.device_index,
+            device=worker.device,
             mounted=mounted,
         ),
         workdir=cwd,

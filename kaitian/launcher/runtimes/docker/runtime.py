@@ -19,7 +19,6 @@ the engine connection is ``client``, image labels ``images``, workers as
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import socket
@@ -30,7 +29,6 @@ from kaitian._torch import LogsSpecs, PContext
 from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
 from kaitian.launcher.runtimes.docker.client import connect, find_one, is_not_found, list_containers, remove_container
-from kaitian.launcher.runtimes.docker.devices import PhysicalDevice, physical_device
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
 from kaitian.launcher.runtimes.docker.images import ImageInfo, image_info
 from kaitian.launcher.runtimes.docker.labels import (
@@ -53,26 +51,6 @@ from kaitian.settings import Settings
 __all__ = ["DockerRuntime", "DockerExecContext"]
 
 logger = logging.getLogger(__name__)
-
-
-def _known_uuids(vendor: str) -> Dict[int, str]:
-    """Physical index -> UUID of this host's devices of ``vendor``, where discovery knows them.
-
-    Reads ``Device.physical_index`` / ``Device.uuid`` (``kaitian.devices``);
-    until discovery records them this is empty and GPUs are requested by index.
-    """
-    try:
-        from kaitian.devices.inventory import discover
-
-        found = discover(detail=True)
-    except Exception:  # noqa: BLE001 (no UUIDs: the driver's index still works)
-        return {}
-    out: Dict[int, str] = {}
-    for d in found:
-        physical, uuid = getattr(d, "physical_index", None), getattr(d, "uuid", None)
-        if d.vendor == vendor and physical is not None and uuid:
-            out[int(physical)] = str(uuid)
-    return out
 
 
 def _grant(paths: List[str], user: str) -> None:
@@ -130,7 +108,6 @@ class DockerRuntime(Runtime):
         self._ties: Dict[str, object] = {}  # container id -> the agent's stdin attach
         self._images: Dict[str, ImageInfo] = {}
         self._parent_cgroup: Optional[str] = None
-        self._uuids: Dict[str, Dict[int, str]] = {}  # vendor -> physical index -> UUID
         self.user = self._worker_user()
 
     @property
@@ -180,7 +157,7 @@ class DockerRuntime(Runtime):
         client = self.client
         # Check images before anything is started, so a missing one fails alone.
         for w in workers.values():
-            self._image(image_for(w.group, w.device_type, self.options.images))
+            self._image(image_for(w.device.group, w.device.type, self.options.images))
 
         def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecPlan, str]]:
             return self._prepare(pc, entrypoint, workers, logs_specs)
@@ -333,15 +310,6 @@ class DockerRuntime(Runtime):
                 d = os.path.dirname(d)
         return sorted(paths)
 
-    def _physical(self, workers: List[WorkerLaunch]) -> List[PhysicalDevice]:
-        vendor = workers[0].device_type
-        if vendor == "cpu":
-            return []
-        if vendor not in self._uuids:
-            self._uuids[vendor] = _known_uuids(vendor)
-        uuids = self._uuids[vendor]
-        return [physical_device(vendor, w.device_index, os.environ, uuids) for w in workers if w.device_index is not None]
-
     def _prepare(
         self,
         pc: DockerExecContext,
@@ -351,14 +319,13 @@ class DockerRuntime(Runtime):
     ) -> Dict[int, Tuple[ExecPlan, str]]:
         groups: Dict[str, List[WorkerLaunch]] = {}
         for rank in sorted(workers):
-            groups.setdefault(workers[rank].group, []).append(workers[rank])
+            groups.setdefault(workers[rank].device.group, []).append(workers[rank])
         log_dirs = self._log_dirs(pc, logs_specs)
         state_dir = self._state_dir()
-        device_nodes = glob.glob("/dev/cambricon*") + glob.glob("/dev/ipcm*")
         cwd = os.path.abspath(self.ctx.cwd)
         plans: Dict[str, ContainerPlan] = {}
         for group, members in groups.items():
-            ref = image_for(group, members[0].device_type, self.options.images)
+            ref = image_for(group, members[0].device.type, self.options.images)
             plans[group] = plan_container(
                 group=group,
                 workers=members,
@@ -370,9 +337,7 @@ class DockerRuntime(Runtime):
                 options=self.options,
                 agent=self._agent,
                 user=self.user,
-                physical=self._physical(members),
                 image_mounts=self._image(ref).mounts,
-                device_nodes=device_nodes,
                 cgroup_parent=self._cgroup_parent(),
             )
 
@@ -386,7 +351,7 @@ class DockerRuntime(Runtime):
         host_python = {sys.executable, os.path.abspath(sys.executable), os.path.realpath(sys.executable)}
         out: Dict[int, Tuple[ExecPlan, str]] = {}
         for rank, w in workers.items():
-            plan = plans[w.group]
+            plan = plans[w.device.group]
             ex = plan_exec(
                 worker=w,
                 container=plan,
@@ -400,7 +365,7 @@ class DockerRuntime(Runtime):
                 host_python=sorted(host_python),
                 image_python=self._image(plan.image).python,
             )
-            out[rank] = (ex, self._containers[w.group])
+            out[rank] = (ex, self._containers[w.device.group])
         return out
 
     def _ensure(self, plan: ContainerPlan) -> str:

@@ -1,73 +1,32 @@
-"""The vendor table: everything kaitian knows about a device type.
+"""The vendor table: everything kaitian knows about a device type, in one entry each.
 
 The C++ backend never links a vendor library; what differs between vendors
-lives here. Adding a vendor is one ``Vendor`` entry in ``VENDORS``.
+lives here. Each vendor's module (:mod:`.nvidia`, :mod:`.cambricon`,
+:mod:`.cpu`) holds its hooks: the *probe* that finds its devices without
+torch, its *utilisation* reading, its *container* hook (what a container needs
+to see a set of devices) and the worker-side torch calls. Adding a vendor is
+one module and one ``Vendor`` entry in ``VENDORS``.
 """
 
 from __future__ import annotations
 
 import importlib
-import shutil
-import subprocess
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
+from kaitian.devices.vendors import cambricon, cpu, nvidia
+from kaitian.devices.vendors.tools import has_tool, run_tool
 from kaitian.errors import UnknownVendorError
 
-__all__ = ["Vendor", "VENDORS", "vendor", "vendor_names", "UnknownVendorError"]
+__all__ = ["Vendor", "VENDORS", "vendor", "vendor_names", "UnknownVendorError", "has_tool", "run_tool"]
 
-
-def _cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _mlu_count() -> int:
-    try:
-        import torch_mlu  # noqa: F401  (registers torch.mlu)
-        import torch
-    except ImportError:
-        return 0
-    return torch.mlu.device_count() if torch.mlu.is_available() else 0
-
-
-def _cpu_count() -> int:
-    # CPU "devices" are slots of cores; the launcher decides how many. A plain
-    # process always has one.
-    return 1
-
-
-def _cuda_pin(ptr: int, nbytes: int) -> bool:
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    # cudaHostRegisterPortable (1): pinned for every CUDA context in this process.
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)) == 0
-
-
-def _cuda_unpin(ptr: int) -> None:
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-def _cuda_set_device(index: int) -> None:
-    import torch
-
-    torch.cuda.set_device(index)
-
-
-def _mlu_set_device(index: int) -> None:
-    import torch
-    import torch_mlu  # noqa: F401
-
-    torch.mlu.set_device(index)
+ContainerHook = Callable[[Sequence[WorkerDevice], Optional[Iterable[str]]], ContainerDevices]
 
 
 @dataclass(frozen=True)
 class Vendor:
-    """One device type and how to drive it.
+    """One device type and how to find, watch and drive it.
 
     Attributes:
         name: device type, as in ``torch.device(name)`` and ``KAITIAN_DEVICE_TYPE``.
@@ -76,11 +35,16 @@ class Vendor:
         visible_env: the vendor's visibility variable, or ``None``.
         module: extra module that must be imported to use the device type.
         image: default container image for ``--runtime docker``.
-        count: number of devices of this type on this host.
-        set_device: makes a device index current for the process.
+        count: number of devices of this type torch sees in this process (workers).
+        set_device: makes a torch ordinal current for the process.
         pin_host: registers host memory as pinned (DMA-able) with the vendor
             runtime; returns whether it did.
         unpin_host: undoes ``pin_host``.
+        probe: this host's devices, physical indices, found without torch
+            (``None``: the type has no hardware to find, as the CPU).
+        sources: where ``probe`` looks, for error messages.
+        utilisation: physical index -> utilisation percent, now.
+        container: what a container needs to see exactly some devices.
     """
 
     name: str
@@ -94,9 +58,13 @@ class Vendor:
     pin_host: Optional[Callable[[int, int], bool]] = None
     unpin_host: Optional[Callable[[int], None]] = None
     aliases: tuple = field(default=())
+    probe: Optional[Callable[[], List[Device]]] = None
+    sources: str = ""
+    utilisation: Optional[Callable[[], Dict[int, float]]] = None
+    container: Optional[ContainerHook] = None
 
     def torch_device(self, index: Optional[int] = None) -> str:
-        """The torch device string for ``index`` (``cuda:1``, ``cpu``)."""
+        """The torch device string for a torch ordinal (``cuda:1``, ``cpu``)."""
         if self.name == "cpu" or index is None:
             return self.name
         return f"{self.name}:{index}"
@@ -117,10 +85,14 @@ VENDORS: Dict[str, Vendor] = {
             visible_env="CUDA_VISIBLE_DEVICES",
             module=None,
             image="kaitian:cuda",
-            count=_cuda_count,
-            set_device=_cuda_set_device,
-            pin_host=_cuda_pin,
-            unpin_host=_cuda_unpin,
+            count=nvidia.count,
+            set_device=nvidia.set_device,
+            pin_host=nvidia.pin_host,
+            unpin_host=nvidia.unpin_host,
+            probe=nvidia.probe,
+            sources=nvidia.SOURCES,
+            utilisation=nvidia.utilisation,
+            container=nvidia.container_devices,
         ),
         Vendor(
             name="mlu",
@@ -129,8 +101,12 @@ VENDORS: Dict[str, Vendor] = {
             visible_env="MLU_VISIBLE_DEVICES",
             module="torch_mlu",
             image="kaitian:mlu",
-            count=_mlu_count,
-            set_device=_mlu_set_device,
+            count=cambricon.count,
+            set_device=cambricon.set_device,
+            probe=cambricon.probe,
+            sources=cambricon.SOURCES,
+            utilisation=cambricon.utilisation,
+            container=cambricon.container_devices,
         ),
         Vendor(
             name="cpu",
@@ -139,7 +115,8 @@ VENDORS: Dict[str, Vendor] = {
             visible_env=None,
             module=None,
             image="kaitian:cpu",
-            count=_cpu_count,
+            count=cpu.count,
+            sources=cpu.SOURCES,
         ),
     )
 }
@@ -162,17 +139,3 @@ def vendor(name: str) -> Vendor:
 def vendor_names() -> List[str]:
     """Device types in layout order (accelerators first, CPU last)."""
     return list(VENDORS)
-
-
-def has_tool(name: str) -> bool:
-    """Whether a vendor command-line tool (``nvidia-smi``, ``cnmon``) is on PATH."""
-    return shutil.which(name) is not None
-
-
-def run_tool(argv: List[str], timeout: float = 10.0) -> Optional[str]:
-    """Runs a vendor tool and returns its stdout, or ``None`` if it failed."""
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout
