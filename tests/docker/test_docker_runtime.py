@@ -68,7 +68,7 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
             "PATH": "/host-only-marker:" + os.environ["PATH"],
             "PYTHONPATH": f"{REPO}:{TESTS}",
             "RANK": str(w.global_rank), "LOCAL_RANK": str(r), "WORLD_SIZE": str(len(workers)),
-            "KAITIAN_GROUP": w.group, "KAITIAN_DEVICE_TYPE": w.device_type,
+            "KAITIAN_GROUP": w.device.group, "KAITIAN_DEVICE_TYPE": w.device.type,
             "TORCHELASTIC_RUN_ID": rt.ctx.run_id, "TORCHELASTIC_RESTART_COUNT": "0",
             "DOCKER_TEST_MODE": mode, "DOCKER_TEST_OUT": str(out),
             "JOB_VARIABLE": f"passed-{r}",
@@ -78,7 +78,7 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
     pc = rt.start(
         name="trainer", entrypoint=sys.executable,
         args={r: ("-u", WORKER) for r in workers}, envs=envs, logs_specs=logs,
-        log_line_prefixes={r: f"[{w.group}]:{r}: " for r, w in workers.items()},
+        log_line_prefixes={r: f"[{w.device.group}]:{r}: " for r, w in workers.items()},
         start_method="spawn", workers=workers,
     )
     return pc, out
