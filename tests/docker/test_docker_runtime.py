@@ -465,3 +465,21 @@ def test_images_build_streams_progress_and_fails_clearly_without_a_registry(caps
     assert len(err) == 1 and "base image cannot be pulled" in err[0]
     assert images.main(["gpu"]) == 2
     assert "unknown image 'gpu'" in capsys.readouterr().err
+
+
+def test_root_only_when_asked(run, tmp_path):
+    """--container-user root: workers are root, with DAC_OVERRIDE as their only
+    capability; everything else about the container stays hardened."""
+    rt = run(user="0:0")
+    pc, out = _start(rt, tmp_path, {0: _two_groups()[0]}, "env")
+    try:
+        assert not pc.wait(120, period=0.1).is_failed()
+    finally:
+        pc.close()
+    assert _read(out, "env", 0)["uid"] == 0
+    (c,) = kaitian_containers(run_id=rt.ctx.run_id)
+    attrs = inspect(c)
+    assert attrs["Config"]["User"] == "0:0"
+    assert attrs["HostConfig"]["CapDrop"] == ["ALL"]
+    assert [cap.replace("CAP_", "") for cap in attrs["HostConfig"]["CapAdd"]] == ["DAC_OVERRIDE"]
+    assert "no-new-privileges" in attrs["HostConfig"]["SecurityOpt"] and attrs["HostConfig"]["ReadonlyRootfs"]
