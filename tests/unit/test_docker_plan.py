@@ -268,6 +268,13 @@ def test_mounts_are_exactly_the_run_directories_never_a_parent():
     assert mounts["/usr"].to_docker() == {"Type": "bind", "Source": "/usr", "Target": "/usr", "ReadOnly": True}
 
 
+def test_the_root_directory_is_never_mounted():
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
+    with pytest.raises(DockerOptionError, match="not /"):
+        plan_container(group="cpu0", workers=w, image="i", run_id="r", run_dir="/tmp/kaitian-0/r", cwd="/",
+                       log_dirs=(), options=DockerOptions(), agent=AGENT)
+
+
 @pytest.mark.parametrize("user,caps", [("1000:1000", []), (NOBODY, []), ("0:0", ["DAC_OVERRIDE"])])
 def test_containers_are_hardened(user, caps):
     kw = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)], user=user).create_kwargs()

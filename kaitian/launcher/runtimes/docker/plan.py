@@ -280,7 +280,8 @@ def plan_container(
         The container plan.
 
     Raises:
-        DockerOptionError: the group mixes device types or CPU quotas.
+        DockerOptionError: the group mixes device types or CPU quotas, or a
+            directory to mount is ``/``.
         DeviceSelectionError: a device the container needs is missing on this host.
     """
     vendors = {w.device.type for w in workers}
@@ -304,6 +305,11 @@ def plan_container(
     # --log-dir /tmp/x mounts /tmp/x, not /tmp). One inside another is
     # already visible, and dropping it keeps the shape (and so reuse) stable.
     own = sorted({os.path.abspath(p) for p in (cwd, run_dir, *log_dirs) if p and p != os.devnull}, key=len)
+    if "/" in own:
+        raise DockerOptionError(
+            "the docker runtime mounts the working and log directories into the containers; "
+            "run kaitianrun from a project directory (and give --log-dir a directory), not /"
+        )
     for path in own:
         if not any(_inside(path, m) for m in own if m != path):
             mounts[path] = Mount(path, path, False)
