@@ -26,12 +26,13 @@ from typing import Dict, List, Optional
 
 from kaitian.errors import RunDirError
 
-__all__ = ["RunDir", "base_dir", "collect_stale"]
+__all__ = ["RunDir", "base_dir", "collect_stale", "record_pid_namespace"]
 
 logger = logging.getLogger(__name__)
 
 _AGENT_FILE = "agent.json"
 _WORKERS_FILE = "workers.json"
+_NAMESPACES_FILE = "pid-namespaces.json"
 
 
 def base_dir() -> str:
@@ -144,6 +145,49 @@ class RunDir:
         return logs
 
 
+def record_pid_namespace(run_dir: str, pid_ns: int) -> None:
+    """Remembers a container's pid namespace (the docker runtime's), so a later
+    agent removes the shared memory its workers left if this agent is killed:
+    the container then removes itself, but its segments stay in the host's IPC."""
+    path = os.path.join(run_dir, _NAMESPACES_FILE)
+    try:
+        with open(path) as f:
+            known = list(json.load(f))
+    except (OSError, ValueError):
+        known = []
+    if pid_ns not in known:
+        _write_json(path, known + [pid_ns])
+
+
+def _live_pid_namespaces() -> set:
+    """The pid namespaces (inodes) of the processes this host lets us see."""
+    live = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                live.add(os.stat(f"/proc/{entry}/ns/pid").st_ino)
+            except OSError:
+                pass
+    return live
+
+
+def _collect_namespaces(path: str) -> None:
+    """Removes the shared memory of the dead container namespaces a run recorded."""
+    from kaitian.backend.shm_gc import collect_namespace_segments
+
+    try:
+        with open(os.path.join(path, _NAMESPACES_FILE)) as f:
+            namespaces = json.load(f)
+    except (OSError, ValueError):
+        return
+    live = _live_pid_namespaces()
+    for ns in namespaces:
+        if int(ns) in live:
+            continue  # the number was reused by a namespace that is alive now
+        for name in collect_namespace_segments(int(ns)):
+            logger.warning("removed shared memory %s left by a killed kaitianrun agent's container", name)
+
+
 def collect_stale() -> List[str]:
     """Removes run directories whose agent is gone, killing workers it left running.
 
@@ -180,6 +224,7 @@ def collect_stale() -> List[str]:
                         os.kill(int(pid), signal.SIGKILL)
                     except OSError:
                         pass
+        _collect_namespaces(path)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed

@@ -321,12 +321,13 @@ _KILLED_AGENT = textwrap.dedent("""
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
     from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
     import pathlib
+    from kaitian.launcher.rundir import RunDir
     tmp = pathlib.Path({tmp!r})
-    ctx = RunContext(run_id={run_id!r}, run_dir=str(tmp / "run"), log_dir=None, cwd=str(tmp),
+    run_dir = RunDir({run_id!r})  # a real one: the next start collects it
+    ctx = RunContext(run_id={run_id!r}, run_dir=run_dir.path, log_dir=None, cwd=str(tmp),
                      options=RuntimeOptions(docker=DockerOptions(images={{"cpu": {image!r}}})))
-    os.makedirs(ctx.run_dir, exist_ok=True)
-    pc, out = t._start(DockerRuntime(ctx), tmp, t._two_groups(), "sleep")
-    print("ready", flush=True)
+    pc, out = t._start(DockerRuntime(ctx), tmp, t._two_groups(), "segment")
+    print(run_dir.path, flush=True)
     time.sleep(300)
 """)
 
@@ -342,17 +343,22 @@ def _gone_within(seconds, check):
 
 def test_containers_die_with_their_agent_killed_by_sigkill(tmp_path, image):
     """No orphans: the containers hold the agent's stdin attach, so a SIGKILL'd
-    agent takes them and their workers down within seconds, and the next
-    start finds nothing to collect."""
+    agent takes them and their workers down within seconds; the next start
+    finds no container to collect, and removes the run directory and the
+    shared memory the workers left in the host's IPC namespace."""
+    from kaitian.launcher import rundir
+
     run_id = f"t{uuid.uuid4().hex[:8]}"
     own(str(tmp_path))
     code = _KILLED_AGENT.format(repo=REPO, tests=TESTS, here=os.path.dirname(os.path.abspath(__file__)),
                                 tmp=str(tmp_path), run_id=run_id, image=image)
     agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        assert agent.stdout.readline().strip() == "ready"
+        run_dir = agent.stdout.readline().strip()
+        assert os.path.isdir(run_dir), run_dir
         for rank in (0, 1):
-            _wait_file(tmp_path / "out" / f"sleep.{rank}.json")
+            _wait_file(tmp_path / "out" / f"segment.{rank}.json")
+        segments = [_read(tmp_path / "out", "segment", rank)["name"] for rank in (0, 1)]
         left = kaitian_containers(run_id=run_id)
         assert len(left) == 2 and {c.labels["org.kaitian.agent-pid"] for c in left} == {str(agent.pid)}
         # A live agent's containers are not stale.
@@ -362,7 +368,13 @@ def test_containers_die_with_their_agent_killed_by_sigkill(tmp_path, image):
         assert _gone_within(5, lambda: kaitian_containers(run_id=run_id) == []), kaitian_containers(run_id=run_id)
         assert _gone_within(5, lambda: WORKER not in subprocess.run(
             ["ps", "-eo", "args"], capture_output=True, text=True).stdout)
-        assert DockerRuntime.collect_stale() == []  # nothing left for the next start
+        assert DockerRuntime.collect_stale() == []  # no container left for the next start
+        # The segments (host IPC) outlive the container; the next start removes
+        # them with the run directory. (Another kaitianrun starting on this host
+        # meanwhile may be that next start: check the outcome, not who did it.)
+        rundir.collect_stale()
+        assert not os.path.exists(run_dir)
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in segments)
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -13,7 +13,7 @@ from typing import List, Mapping, Optional
 from kaitian.errors import ContainerLookupError, DockerUnavailableError
 from kaitian.launcher.runtimes.docker.labels import label_filters
 
-__all__ = ["connect", "list_containers", "find_one", "remove_container", "is_not_found"]
+__all__ = ["connect", "list_containers", "find_one", "remove_container", "is_not_found", "pid_namespace_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def is_not_found(exc: BaseException) -> bool:
     return type(exc).__name__ == "NotFound"
 
 
-def _pid_namespace_of(container: object) -> Optional[int]:
+def pid_namespace_of(container: object) -> Optional[int]:
     """The pid namespace (inode) of a running container, if this host can see it."""
     try:
         container.reload()  # listed containers carry only a summary
@@ -92,7 +92,7 @@ def remove_container(container: object) -> None:
     segments its processes left: their pid namespace is gone with it."""
     from kaitian.backend.shm_gc import collect_namespace_segments
 
-    pid_ns = _pid_namespace_of(container)
+    pid_ns = pid_namespace_of(container)
     try:
         container.remove(force=True)
     except Exception as exc:  # noqa: BLE001

@@ -28,7 +28,10 @@ from typing import Dict, List, Optional, Tuple
 from kaitian._torch import LogsSpecs, PContext
 from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
-from kaitian.launcher.runtimes.docker.client import connect, find_one, is_not_found, list_containers, remove_container
+from kaitian.launcher.rundir import record_pid_namespace
+from kaitian.launcher.runtimes.docker.client import (
+    connect, find_one, is_not_found, list_containers, pid_namespace_of, remove_container,
+)
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
 from kaitian.launcher.runtimes.docker.images import ImageInfo, image_info
 from kaitian.launcher.runtimes.docker.labels import (
@@ -419,4 +422,7 @@ class DockerRuntime(Runtime):
             raise DockerRuntimeError(
                 f"cannot start the container for group {plan.group!r} ({plan.image}): {why}{hint}"
             ) from None
+        pid_ns = pid_namespace_of(container)
+        if pid_ns:
+            record_pid_namespace(self.ctx.run_dir, pid_ns)
         return container.id
