@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from kaitian.devices.device import WorkerDevice
 from kaitian.settings import Settings

@@ -13,7 +13,7 @@ what the worker can see and is worked out there (:mod:`kaitian.devices.visible`)
   the backend's rank record all hold this one dataclass.
 - :class:`ContainerDevices`: what a container needs to see a set of devices.
 
-This module imports only :mod:`kaitian.errors`: every other devices module builds on it.
+Every other devices module builds on this one; it needs nothing of them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
-from kaitian.errors import SettingError
 
 __all__ = ["Device", "WorkerDevice", "ContainerDevices", "DEVICE_ENV"]
 
@@ -129,15 +128,13 @@ class WorkerDevice:
         Raises:
             SettingError: ``KAITIAN_DEVICE_INDEX`` is not an integer.
         """
-        kind = env.get(DEVICE_ENV["type"]) or None
-        if kind is None:
+        from kaitian.settings import Settings
+
+        s = Settings.from_env(env)
+        if not s.device_type:
             return None
-        raw_index = env.get(DEVICE_ENV["index"]) or ""
-        try:
-            index = int(raw_index) if raw_index else 0
-        except ValueError:
-            raise SettingError(f"{DEVICE_ENV['index']}={raw_index!r} is not an integer") from None
-        return cls(kind, index, env.get(DEVICE_ENV["group"]) or kind, env.get(DEVICE_ENV["uuid"]) or None)
+        index = s.device_index if s.device_index is not None else 0
+        return cls(s.device_type, index, s.group or s.device_type, s.device_uuid)
 
 
 @dataclass(frozen=True)

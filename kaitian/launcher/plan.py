@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kaitian.devices.device import Device, WorkerDevice
 from kaitian.devices.inventory import discover, parse_devices_flag, select

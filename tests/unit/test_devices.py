@@ -8,7 +8,6 @@ PCI sysfs and ``/dev`` by trees built in tmp dirs.
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
@@ -319,3 +318,54 @@ def test_rank_device_reads_the_launchers_variables():
     assert rank_device({**env, "KAITIAN_GROUP": "fast"}).group == "fast"
     assert WorkerDevice.from_env(rank_device(env).to_env()) == rank_device(env)
     assert rank_device({"LOCAL_RANK": "1"}) == WorkerDevice("cpu", 0)  # no accelerator torch sees here
+
+
+def test_planned_container_and_exec_give_the_worker_its_gpu():
+    """USE_CUDA=1,3 in a container: GPUs by UUID, the exec's env lets worker 3 land on cuda:1."""
+    from kaitian.launcher.runtimes.base import WorkerLaunch
+    from kaitian.launcher.runtimes.docker.plan import AgentIdentity, DockerOptions, plan_container, plan_exec
+
+    gpus = [WorkerDevice("cuda", 1, uuid=H100_SXM[1][5]), WorkerDevice("cuda", 3, uuid=H100_SXM[3][5])]
+    workers = [WorkerLaunch(i, i, d) for i, d in enumerate(gpus)]
+    plan = plan_container(group="cuda", workers=workers, image="kaitian:cuda", run_id="r", run_dir="/run/k",
+                          cwd="/work", log_dirs=(), options=DockerOptions(), agent=AgentIdentity("h", 1, "0"))
+    assert plan.create_kwargs()["device_requests"][0]["device_ids"] == [H100_SXM[1][5], H100_SXM[3][5]]
+    host_env = {"CUDA_VISIBLE_DEVICES": "1,2,3", **gpus[1].to_env()}  # the agent's env for worker 1
+    ex = plan_exec(worker=workers[1], container=plan, entrypoint="python3", args=["t.py"], env=host_env,
+                   cwd="/work", pid_file="/run/k/1.pid", user="1000:1000")
+    assert ex.env["CUDA_VISIBLE_DEVICES"] == f"{H100_SXM[1][5]},{H100_SXM[3][5]}"
+    assert ex.env["KAITIAN_DEVICE_INDEX"] == "3" and ex.env["KAITIAN_VISIBLE_INDICES"] == "1,3"
+    assert torch_ordinal(WorkerDevice.from_env(ex.env), "CUDA_VISIBLE_DEVICES", ex.env) == 1
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"CUDA_VISIBLE_DEVICES": "2,3"},  # local, host CUDA_VISIBLE_DEVICES=2,3
+        {"CUDA_VISIBLE_DEVICES": "GPU-2,GPU-3", "KAITIAN_DEVICE_UUID": "GPU-3"},  # local, UUIDs
+        {"CUDA_VISIBLE_DEVICES": "GPU-1,GPU-3", "KAITIAN_VISIBLE_INDICES": "1,3"},  # container with GPUs 1, 3
+    ],
+    ids=["local-indices", "local-uuids", "container"],
+)
+def test_kaitian_device_lands_on_physical_gpu_3(monkeypatch, env):
+    import torch
+
+    import kaitian
+
+    for var in ("CUDA_VISIBLE_DEVICES", "KAITIAN_VISIBLE_INDICES", "KAITIAN_DEVICE_UUID"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in {"KAITIAN_DEVICE_TYPE": "cuda", "KAITIAN_DEVICE_INDEX": "3", **env}.items():
+        monkeypatch.setenv(k, v)
+    assert kaitian.device() == torch.device("cuda:1")
+
+
+def test_an_nvml_that_fails_after_init_falls_back(monkeypatch, no_tools, tmp_path):
+    nv = use_nvml(monkeypatch, RTX_4090)
+
+    def broken():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    nv.nvmlDeviceGetCount = broken
+    root = pci_tree(tmp_path / "pci", [("0000:01:00.0", 0x10DE, 0x030000, 0, "0-7")])
+    assert [(d.key, d.source) for d in nvidia.probe(sys_root=root)] == [("cuda:0", "sysfs")]
+    assert nv.state["init"] == 0

@@ -37,9 +37,6 @@ class Vendor:
         image: default container image for ``--runtime docker``.
         count: number of devices of this type torch sees in this process (workers).
         set_device: makes a torch ordinal current for the process.
-        pin_host: registers host memory as pinned (DMA-able) with the vendor
-            runtime; returns whether it did.
-        unpin_host: undoes ``pin_host``.
         probe: this host's devices, physical indices, found without torch
             (``None``: the type has no hardware to find, as the CPU).
         sources: where ``probe`` looks, for error messages.
@@ -55,8 +52,6 @@ class Vendor:
     image: str
     count: Callable[[], int]
     set_device: Optional[Callable[[int], None]] = None
-    pin_host: Optional[Callable[[int, int], bool]] = None
-    unpin_host: Optional[Callable[[int], None]] = None
     aliases: tuple = field(default=())
     probe: Optional[Callable[[], List[Device]]] = None
     sources: str = ""
@@ -87,8 +82,6 @@ VENDORS: Dict[str, Vendor] = {
             image="kaitian:cuda",
             count=nvidia.count,
             set_device=nvidia.set_device,
-            pin_host=nvidia.pin_host,
-            unpin_host=nvidia.unpin_host,
             probe=nvidia.probe,
             sources=nvidia.SOURCES,
             utilisation=nvidia.utilisation,

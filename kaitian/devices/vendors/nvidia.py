@@ -19,8 +19,7 @@ from kaitian.devices.vendors.tools import run_tool
 from kaitian.devices.visible import VISIBLE_INDICES_ENV
 
 __all__ = [
-    "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device", "pin_host",
-    "unpin_host",
+    "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device",
 ]
 
 PCI_VENDOR = 0x10DE
@@ -101,11 +100,11 @@ def from_nvml(nv, sys_root: str = PCI_ROOT) -> List[Device]:
     return devices
 
 
-_SMI_QUERY = "index,name,memory.total,pci.bus_id,pcie.link.gen.max,pcie.link.width.max,uuid"
+SMI_QUERY = "index,name,memory.total,pci.bus_id,pcie.link.gen.max,pcie.link.width.max,uuid"
 
 
 def from_smi(out: str, sys_root: str = PCI_ROOT) -> List[Device]:
-    """``nvidia-smi --query-gpu=<_SMI_QUERY> --format=csv,noheader,nounits`` -> devices."""
+    """``nvidia-smi --query-gpu=<SMI_QUERY> --format=csv,noheader,nounits`` -> devices."""
     devices = []
     for row in csv.reader(io.StringIO(out)):
         if len(row) < 6 or not row[0].strip().isdigit():
@@ -140,8 +139,11 @@ def probe(sys_root: Optional[str] = None) -> List[Device]:
     sys_root = sys_root or PCI_ROOT
     with nvml() as nv:
         if nv is not None:
-            return from_nvml(nv, sys_root)
-    out = run_tool(["nvidia-smi", f"--query-gpu={_SMI_QUERY}", "--format=csv,noheader,nounits"])
+            try:
+                return from_nvml(nv, sys_root)
+            except Exception:  # NVML up but unusable (e.g. driver/library mismatch): ask the others
+                pass
+    out = run_tool(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits"])
     if out is not None:
         return from_smi(out, sys_root)
     return from_sysfs(sys_root)
@@ -214,18 +216,3 @@ def set_device(index: int) -> None:
     import torch
 
     torch.cuda.set_device(index)
-
-
-def pin_host(ptr: int, nbytes: int) -> bool:
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    # cudaHostRegisterPortable (1): pinned for every CUDA context in this process.
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)) == 0
-
-
-def unpin_host(ptr: int) -> None:
-    import torch
-
-    torch.cuda.cudart().cudaHostUnregister(ptr)
