@@ -76,6 +76,9 @@ _WORKER = textwrap.dedent(
 )
 
 
+_USER = f"{os.getuid()}:{os.getgid()}"
+
+
 def _kaitianrun() -> List[str]:
     exe = shutil.which("kaitianrun")
     return [exe] if exe else [sys.executable, "-m", "kaitian.launcher.cli"]
@@ -93,6 +96,8 @@ def _one(runtime: str, args: argparse.Namespace, workdir: str, keep: bool) -> Di
             cmd += ["--image", image]
         if keep:
             cmd.append("--keep-containers")
+        # The workers' user is the local runtime's (this process's): a like-for-like comparison.
+        cmd += ["--container-user", _USER]
     cmd += [os.path.join(workdir, "bench_worker.py"), args.backend, out, str(args.size_mb), str(args.iters)]
     env = dict(os.environ)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,12 +126,12 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     from kaitian.devices.device import WorkerDevice
     from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+    from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
 
-    images = dict(item.split("=", 1) for item in args.image)
     run_dir = os.path.join(workdir, "latency-run")
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     ctx = RunContext(run_id="bench-latency", run_dir=run_dir, log_dir=None, cwd=workdir,
-                     options={"images": images})
+                     options=RuntimeOptions(docker=DockerOptions.from_flags(images=args.image, container_user=_USER)))
     cores = sorted(os.sched_getaffinity(0))
     workers = {
         r: WorkerLaunch(r, r, WorkerDevice("cpu", r, f"cpu{r % args.groups}"), (cores[r % len(cores)],), None)
@@ -162,7 +167,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
 
 def _remove_kept(before: set) -> None:
     """Removes the containers this benchmark kept (not the user's)."""
-    from kaitian.launcher.runtimes.docker.runtime import connect
+    from kaitian.launcher.runtimes.docker.client import connect
 
     client = connect()
     for c in client.containers.list(all=True, filters={"label": ["org.kaitian.managed=1", "org.kaitian.keep=1"]}):
@@ -172,7 +177,7 @@ def _remove_kept(before: set) -> None:
 
 def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     """Runs the benchmark; returns medians per runtime (and the cold docker start)."""
-    from kaitian.launcher.runtimes.docker.runtime import connect
+    from kaitian.launcher.runtimes.docker.client import connect
 
     client = connect()
     before = {
@@ -245,7 +250,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``kaitian bench docker [--image cpu=IMAGE] [--runs N] [--size-mb M] [--backend B]``."""
-    from kaitian.launcher.runtimes.docker.plan import DockerRuntimeError
+    from kaitian.errors import DockerRuntimeError
 
     args = _parser().parse_args(list(argv or []))
     try:

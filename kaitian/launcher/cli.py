@@ -22,7 +22,7 @@ from kaitian.launcher.launch import KaitianLaunch, launch_agent
 from kaitian.launcher.logs import build_logs_specs
 from kaitian.launcher.plan import parse_cpu_quota, plan_workers
 from kaitian.launcher.rundir import RunDir, collect_stale
-from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, runtime_class
+from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, options_from_args, runtime_class
 from kaitian.launcher.runtimes.cpu_limits import quota_mode
 from kaitian.errors import KaitianError, UsageError
 from kaitian.settings import settings
@@ -120,6 +120,11 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     )
     k.add_argument("--shm-size", "--shm_size", action=_te.env, default="2g", help="docker: /dev/shm size (default 2g)")
     k.add_argument(
+        "--container-user", "--container_user", action=_te.env, default=None, metavar="root|UID[:GID]",
+        help="docker: user the workers run as (default: a non-root user: yours, or for a root "
+        "agent the owner of the working directory)",
+    )
+    k.add_argument(
         "--monitor", action=_te.env, nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
         help="record per-rank throughput and utilisation; plot + summary in DIR "
         "(default ./kaitian-monitor) when the run ends",
@@ -146,16 +151,6 @@ def _check_script(args: argparse.Namespace) -> None:
         return
     if not os.path.isfile(script):
         raise UsageError(f"{script}: no such file")
-
-
-def _images(values: List[str]) -> Dict[str, str]:
-    images: Dict[str, str] = {}
-    for value in values:
-        key, sep, ref = value.partition("=")
-        if not sep or not key or not ref:
-            raise UsageError(f"--image {value!r}: expected VENDOR_OR_GROUP=IMAGE[:TAG], e.g. cuda=kaitian:cuda")
-        images[key] = ref
-    return images
 
 
 def _capabilities() -> Dict[str, float]:
@@ -239,12 +234,13 @@ def run(args: argparse.Namespace) -> None:
 
     if args.runtime == "local" and any(p.cpu_quota is not None for p in plans):
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
-    images = _images(args.image)
+    runtime_options = options_from_args(args, config)  # every runtime flag checked before anything starts
     collect_stale()
     stale = runtime_class(args.runtime).collect_stale()
     if stale:
         logger.warning("removed what killed agents left behind: %s", ", ".join(stale))
     run_dir = RunDir(config.run_id)
+    succeeded = False
     try:
         if args.logs_specs is None:
             ranks = (
@@ -267,15 +263,7 @@ def run(args: argparse.Namespace) -> None:
                 run_dir=run_dir.path,
                 log_dir=args.log_dir,
                 cwd=os.getcwd(),
-                options={
-                    "images": images,
-                    "keep_containers": args.keep_containers,
-                    "volumes": list(args.volume),
-                    "shm_size": args.shm_size,
-                    "numa_options": config.numa_options,
-                    "duplicate_stdout_filters": config.duplicate_stdout_filters,
-                    "duplicate_stderr_filters": config.duplicate_stderr_filters,
-                },
+                options=runtime_options,
             ),
         )
         kaitian = KaitianLaunch(
@@ -288,9 +276,12 @@ def run(args: argparse.Namespace) -> None:
             worker_store_port=worker_store_port,
         )
         _launch(config, cmd, cmd_args, kaitian)
+        succeeded = True
     finally:
         # After @record has copied the root cause's error file: it lives in here.
-        run_dir.remove()
+        kept = run_dir.finish(succeeded)
+        if kept:
+            print(f"{_PROG}: the workers' logs are kept in {kept}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -77,8 +77,19 @@ def _dumps(out):
 
 
 def _leftovers(agent_pid):
-    """Run directories and cgroups an agent (by pid) created that still exist."""
-    dirs = [d for d in (os.listdir(RUN_BASE) if os.path.isdir(RUN_BASE) else []) if f".{agent_pid}." in d]
+    """Run directories and cgroups an agent (by pid) created that still exist.
+
+    A failed run keeps its worker logs on purpose (a run directory holding only
+    ``logs``): those are removed here, not reported.
+    """
+    dirs = []
+    for d in (os.listdir(RUN_BASE) if os.path.isdir(RUN_BASE) else []):
+        if f".{agent_pid}." not in d:
+            continue
+        if os.listdir(os.path.join(RUN_BASE, d)) == ["logs"]:
+            shutil.rmtree(os.path.join(RUN_BASE, d), ignore_errors=True)
+            continue
+        dirs.append(d)
     cgs = [d for d in (os.listdir(CGROUP_ROOT) if os.path.isdir(CGROUP_ROOT) else [])
            if d.endswith(f".{agent_pid}")]
     return dirs + cgs
