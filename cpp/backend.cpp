@@ -120,8 +120,8 @@ void KaitianBackend::shutdown() {
     if (q) q->stop("the process group was shut down");
   }
   if (bridge_) bridge_->close();
-  if (intraDevice_) intraDevice_->shutdown();
-  if (intraCpu_) intraCpu_->shutdown();
+  if (intraDevice_) compat::shutdownBackend(*intraDevice_);
+  if (intraCpu_) compat::shutdownBackend(*intraCpu_);
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType type,
@@ -491,7 +491,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
   auto outs = outputs, ins = inputs;
   std::vector<at::Tensor> all = ins;
   all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+  return enqueue(*collectives_, compat::kReduceScatterTensorCoalesced,
                  "reduce_scatter_tensor_coalesced", outputs, all, opts.timeout,
                  [this, outs, ins, op](const Deadline& dl) mutable {
                    for (size_t i = 0; i < outs.size(); ++i) {
@@ -665,7 +665,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_into_tensor_coalesced(
   auto ins = inputs, outs = outputs;
   std::vector<at::Tensor> all = ins;
   all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, OpType::COALESCED, "allgather_into_tensor_coalesced", outputs,
+  return enqueue(*collectives_, compat::kAllgatherIntoTensorCoalesced, "allgather_into_tensor_coalesced", outputs,
                  all, opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
                    const int W = getSize();
                    for (size_t i = 0; i < ins.size(); ++i) {

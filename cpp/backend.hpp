@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "bridge.hpp"
+#include "compat.hpp"
 #include "work.hpp"
 
 namespace kaitian {
@@ -29,9 +30,9 @@ class KaitianBackend : public c10d::Backend {
   ~KaitianBackend() override;
 
   const std::string getBackendName() const override { return "kaitian"; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_ = timeout.count(); }
-  void shutdown() override;
-  void abort() override { shutdown(); }
+  void setTimeout(std::chrono::milliseconds timeout) KAITIAN_BACKEND_SET_TIMEOUT_OVERRIDE { timeoutMs_ = timeout.count(); }
+  void shutdown() KAITIAN_BACKEND_SHUTDOWN_OVERRIDE;
+  void abort() KAITIAN_BACKEND_SHUTDOWN_OVERRIDE { shutdown(); }
   void setSequenceNumberForGroup() override { seq_ = 0; }
   uint64_t getSequenceNumberForGroup() override { return seq_; }
 

@@ -40,9 +40,11 @@ def register_backend() -> None:
     """Registers the ``"kaitian"`` backend with torch (idempotent)."""
     import torch.distributed as dist
 
+    from kaitian import _torch
+
     if not dist.is_available():
         return
-    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+    if _torch.backend_plugin(BACKEND_NAME) is not None:
         return
     dist.Backend.register_backend(
         BACKEND_NAME, _creator, extended_api=True, devices=backend_devices()

@@ -82,19 +82,15 @@ def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout:
     if name == "gloo":
         return dist.ProcessGroupGloo(store, group_rank, group_size, timeout)
     if name == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, group_rank, group_size, opts)
-    plugin = dist.Backend._plugins.get(name.upper())
+        return dist.ProcessGroupNCCL(store, group_rank, group_size, _torch.nccl_options(timeout))
+    plugin = _torch.backend_plugin(name)
     if plugin is None:
         raise BackendSetupError(
             f"intra-group backend {name!r} is not registered with torch.distributed; "
             "install/import the vendor's torch plug-in (e.g. torch_mlu)"
         )
     if plugin.extended_api:
-        o = dist.distributed_c10d._DistributedBackendOptions()
-        o.store, o.group_rank, o.group_size, o.timeout = store, group_rank, group_size, timeout
-        return plugin.creator_fn(o, None)
+        return plugin.creator_fn(_torch.distributed_backend_options(store, group_rank, group_size, timeout), None)
     return plugin.creator_fn(store, group_rank, group_size, timeout)
 
 
