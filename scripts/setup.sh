@@ -1,20 +1,68 @@
 #!/usr/bin/env bash
-# Sets a fresh machine up for kaitian: torch (CPU wheel), the build tools, kaitian
-# itself (C++ extension built against the installed torch), the test
-# dependencies and a running Docker engine. Safe to run again.
+# Sets up the project virtualenv that `make demo` and `make test` run from:
+# torch (exactly the version asked for), the build tools, and kaitian itself
+# (editable, its C++ extension built against that torch) with the extras named.
+# Needs neither root nor Docker. Safe to run again: what is already right is kept.
+#
+#   scripts/setup.sh                  # .venv with torch 2.13.0 and the [test] extra
+#   KAITIAN_TORCH=2.4.1 KAITIAN_VENV=.venv-torch2.4.1 scripts/setup.sh
+#   KAITIAN_EXTRAS="test integrations" scripts/setup.sh
+#
+# Every pip call here runs under a constraint file pinning torch to the version
+# asked for, so no dependency (and no extra) can swap in another torch - on
+# PyPI, any torch other than the one asked for would be a CUDA build of several GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+
+PYTHON=${PYTHON:-python3}
+TORCH=${KAITIAN_TORCH:-2.13.0}
+VENV=${KAITIAN_VENV:-.venv}
+EXTRAS=${KAITIAN_EXTRAS:-test}
 
 log() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
-if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-  log "installing torch 2.13.0 (CPU)"
-  "$PY" -m pip install -q torch==2.13.0
+case "$TORCH" in
+  [0-9]*.[0-9]*.[0-9]*) ;;
+  *) die "KAITIAN_TORCH=$TORCH: give an exact release such as 2.13.0 (supported: 2.4 to 2.15)" ;;
+esac
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating the virtualenv $VENV ($("$PYTHON" --version 2>&1))"
+  "$PYTHON" -m venv "$VENV" ||
+    die "'$PYTHON -m venv' failed; install your Python's venv module (Debian/Ubuntu: apt-get install python3-venv) or set PYTHON=/path/to/python3"
 fi
-log "installing build tools and kaitian (editable, no build isolation)"
-"$PY" -m pip install -q "setuptools>=64" wheel ninja
-"$PY" -m pip install -q --no-build-isolation -e '.[test]'
+VPY="$VENV/bin/python"
+VENV_ABS=$(cd "$VENV" && pwd)
 
-bash scripts/docker-engine.sh
-log "ready"
+export PIP_CONSTRAINT="$VENV_ABS/kaitian-constraints.txt"
+echo "torch==$TORCH" > "$PIP_CONSTRAINT"
+pip() { "$VPY" -m pip --disable-pip-version-check "$@"; }
+
+torch_version() { "$VPY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true; }
+if [ "$(torch_version)" != "$TORCH" ]; then
+  log "installing torch $TORCH into $VENV"
+  pip install -q "torch==$TORCH"
+fi
+log "torch: $("$VPY" -c 'import torch; print(torch.__version__, "(CUDA " + torch.version.cuda + " build)" if torch.version.cuda else "(CPU build)")')"
+if [ -n "${KAITIAN_TORCH_ONLY:-}" ]; then exit 0; fi  # CI fetches the other torches early
+
+log "installing the build tools"
+pip install -q "setuptools>=64" wheel ninja
+
+# The extension in kaitian/ is built in place, so it belongs to one torch at a
+# time: another venv's build is removed first (its objects rebuild, since
+# ninja sees the other torch's include paths).
+STAMP=kaitian/.C-built-for
+WANT="torch $TORCH in $VENV_ABS"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" != "$WANT" ]; then
+  log "kaitian/_C was built for $(cat "$STAMP"); rebuilding it for $WANT"
+  rm -f kaitian/_C*.so
+fi
+spec=.
+[ -n "$EXTRAS" ] && spec=".[$(echo "$EXTRAS" | tr ' ' ',')]"
+log "installing kaitian$([ -n "$EXTRAS" ] && echo " with [$EXTRAS]") (editable; C++ extension built against torch $TORCH)"
+pip install -q --no-build-isolation -e "$spec"
+echo "$WANT" > "$STAMP"
+"$VPY" -c 'import kaitian._C' || die "kaitian._C does not import in $VENV (see the build output above)"
+log "ready: $VENV (run things with $VENV/bin/python, or: source $VENV/bin/activate)"
