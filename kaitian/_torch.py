@@ -136,20 +136,27 @@ def get_rendezvous_handler(params):
     return _get(params)
 
 
-# --- backend registry ----------------------------------------------------------
-def backend_plugin(name: str):
-    """The ``Backend.register_backend`` record for ``name`` (any case), or None.
+# --- torch.distributed's backend registry and autograd engine -----------------
 
-    torch keeps the plug-ins in the private ``Backend._plugins`` dict (a
-    ``_BackendPlugin(creator_fn, extended_api)`` per upper-case name).
-    """
+
+def backend_plugins() -> dict:
+    """torch's registry of plug-in backends: ``{"NAME": plugin}`` (``creator_fn``, ``extended_api``)."""
     import torch.distributed as dist
 
-    return getattr(dist.Backend, "_plugins", {}).get(name.upper())
+    return getattr(dist.Backend, "_plugins", {})
+
+
+def backend_options(store, group_rank: int, group_size: int, timeout):
+    """The options object an ``extended_api`` backend creator receives."""
+    from torch.distributed import distributed_c10d
+
+    opts = distributed_c10d._DistributedBackendOptions()
+    opts.store, opts.group_rank, opts.group_size, opts.timeout = store, group_rank, group_size, timeout
+    return opts
 
 
 def nccl_options(timeout):
-    """``ProcessGroupNCCL.Options`` with the group timeout (a private field)."""
+    """``ProcessGroupNCCL.Options`` with the group's timeout."""
     import torch.distributed as dist
 
     opts = dist.ProcessGroupNCCL.Options()
@@ -157,18 +164,20 @@ def nccl_options(timeout):
     return opts
 
 
-def distributed_backend_options(store, group_rank: int, group_size: int, timeout):
-    """The options object an ``extended_api`` plug-in's creator takes."""
-    from torch.distributed.distributed_c10d import _DistributedBackendOptions
+def queue_autograd_callback(callback) -> None:
+    """Runs ``callback`` when the current backward pass finishes (as torch's DDP does)."""
+    import torch
 
-    o = _DistributedBackendOptions()
-    o.store, o.group_rank, o.group_size, o.timeout = store, group_rank, group_size, timeout
-    return o
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 # The names in _LATE are attributes too (resolved on first use).
 __all__ = [
     "ChildFailedError",
+    "backend_options",
+    "backend_plugins",
+    "nccl_options",
+    "queue_autograd_callback",
     "DefaultLogsSpecs",
     "LogsSpecs",
     "PContext",
@@ -193,13 +202,10 @@ __all__ = [
     "WorkerState",
     "create_c10d_backend",
     "create_dynamic_handler",
-    "backend_plugin",
     "create_healthcheck_server",
-    "distributed_backend_options",
     "events",
     "get_rendezvous_handler",
     "macros",
-    "nccl_options",
     "metrics",
     "record",
     "rendezvous_backend_names",

@@ -40,11 +40,11 @@ def register_backend() -> None:
     """Registers the ``"kaitian"`` backend with torch (idempotent)."""
     import torch.distributed as dist
 
-    from kaitian import _torch
-
     if not dist.is_available():
         return
-    if _torch.backend_plugin(BACKEND_NAME) is not None:
+    from kaitian import _torch
+
+    if BACKEND_NAME.upper() in _torch.backend_plugins():
         return
     dist.Backend.register_backend(
         BACKEND_NAME, _creator, extended_api=True, devices=backend_devices()

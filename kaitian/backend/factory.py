@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from kaitian.backend import layout as _layout
+from kaitian import _torch as _te
+from kaitian.backend import groups as _layout
 from kaitian.backend import shm_gc
 from kaitian.settings import Settings, settings
 from kaitian.devices.vendors import VENDORS
@@ -82,15 +83,15 @@ def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout:
     if name == "gloo":
         return dist.ProcessGroupGloo(store, group_rank, group_size, timeout)
     if name == "nccl":
-        return dist.ProcessGroupNCCL(store, group_rank, group_size, _torch.nccl_options(timeout))
-    plugin = _torch.backend_plugin(name)
+        return dist.ProcessGroupNCCL(store, group_rank, group_size, _te.nccl_options(timeout))
+    plugin = _te.backend_plugins().get(name.upper())
     if plugin is None:
         raise BackendSetupError(
             f"intra-group backend {name!r} is not registered with torch.distributed; "
             "install/import the vendor's torch plug-in (e.g. torch_mlu)"
         )
     if plugin.extended_api:
-        return plugin.creator_fn(_torch.distributed_backend_options(store, group_rank, group_size, timeout), None)
+        return plugin.creator_fn(_te.backend_options(store, group_rank, group_size, timeout), None)
     return plugin.creator_fn(store, group_rank, group_size, timeout)
 
 

@@ -3,7 +3,7 @@
 The template method (rendezvous, start, monitor, restart, exit barrier) is
 torch's. This class fills in the four hooks and replaces the rank
 assignment: nodes exchange their device inventories and ranks are laid out
-grouped by vendor (:mod:`kaitian.launcher.layout`). Workers get exactly the
+grouped by vendor (:mod:`kaitian.launcher.placement`). Workers get exactly the
 environment ``LocalElasticAgent`` gives them, plus the ``KAITIAN_*`` ones, and
 are started by a :class:`~kaitian.launcher.runtimes.base.Runtime`.
 """
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from kaitian.devices import vendors as _vendors
 from kaitian import _torch as _te
-from kaitian.launcher.layout import Slot, lay_out
+from kaitian.launcher.placement import Slot, lay_out
 from kaitian.launcher.logs import line_prefixes
 from kaitian.launcher.plan import WorkerPlan
 from kaitian.launcher.rendezvous import KaitianRendezvousHandler, exchange_inventory

@@ -121,8 +121,8 @@ def launch_agent(
     monitor = None
     shutdown_rdzv = True
     try:
-        if kaitian.training.monitor_dir:
-            monitor = _make_monitor(kaitian.training.monitor_dir)
+        if kaitian.monitor_dir:
+            monitor = _make_monitor(kaitian.monitor_dir)
             if monitor is not None:
                 monitor.start()
         agent = KaitianAgent(
@@ -135,7 +135,7 @@ def launch_agent(
             log_line_prefix_template=config.log_line_prefix_template,
             shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
             capabilities=kaitian.capabilities,
-            monitor_dir=kaitian.training.monitor_dir,
+            monitor_dir=kaitian.monitor_dir,
             monitor=monitor,
             omp_from_user=kaitian.omp_from_user,
         )

@@ -1,7 +1,7 @@
 """The ``kaitian`` rendezvous: torchelastic's c10d rendezvous plus a device-inventory exchange.
 
 Nodes with different device mixes form one world because every node publishes
-its inventory (one :class:`~kaitian.launcher.layout.Slot` per local worker)
+its inventory (one :class:`~kaitian.launcher.placement.Slot` per local worker)
 in the rendezvous store, and every node reads all of them back before ranks
 are assigned. ``--rdzv-backend kaitian`` does the exchange inside
 ``next_rendezvous``; with the other backends (``c10d``, ``static``,
@@ -21,7 +21,7 @@ import logging
 from typing import List, Optional, Sequence, Tuple
 
 from kaitian import _torch as _te
-from kaitian.launcher.layout import Slot
+from kaitian.launcher.placement import Slot
 
 __all__ = [
     "BACKEND_NAME",

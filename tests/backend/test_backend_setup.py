@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kaitian.backend import layout as L
+from kaitian.backend import groups as L
 from kaitian.backend import shm_gc
 
 from support import REPO

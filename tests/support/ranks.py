@@ -118,13 +118,12 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
         if layout.kaitian_env:
             env.update({"KAITIAN_GROUP": group, "KAITIAN_DEVICE_TYPE": "cpu",
                         "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": run_dir})
-        # torchrun's worker environment: workers may use init_method="env://"
+        # torchrun's worker environment (the workers' convention: support/worker_env.py)
         env.update({"RANK": str(rank), "WORLD_SIZE": str(len(groups)), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(len(groups)), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "KT_OUT": out})
+                    "MASTER_PORT": str(port), "KT_OUT": out, "KT_GROUPS": ",".join(groups)})
         env.update(dict(layout.env))
-        cmd = [sys.executable, *argv, "--rank", str(rank), "--world-size", str(len(groups)),
-               "--groups", ",".join(groups), "--init-method", f"tcp://127.0.0.1:{port}", "--out", out]
+        cmd = [sys.executable, *argv]
         with open(log, "w") as fh:
             procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
                                           start_new_session=True))

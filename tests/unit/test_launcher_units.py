@@ -24,7 +24,7 @@ from kaitian.devices.inventory import (  # noqa: E402
     parse_devices_flag,
     select,
 )
-from kaitian.launcher.layout import Slot, lay_out  # noqa: E402
+from kaitian.launcher.placement import Slot, lay_out  # noqa: E402
 from kaitian.launcher.logs import build_logs_specs, line_prefixes  # noqa: E402
 from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers  # noqa: E402
 from kaitian.launcher.rendezvous import (  # noqa: E402

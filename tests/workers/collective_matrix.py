@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 from support import collective_cases
 from support.collective_cases import Ctx, build_cases, case_names
+from support.worker_env import rank_env
 
 torch = dist = None  # imported in _run: --list stays cheap
 
@@ -31,19 +32,19 @@ def _run(args: argparse.Namespace) -> int:
     collective_cases._import_torch()
     torch, dist = collective_cases.torch, collective_cases.dist
     torch.set_num_threads(1)
-    groups = args.groups.split(",")
+    me = rank_env()
+    groups = me.groups
     if args.backend == "kaitian":
         import kaitian  # noqa: F401  registers the backend
     timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank,
-                            world_size=args.world_size, timeout=timeout)
+    dist.init_process_group(args.backend, timeout=timeout)
     # The reference group outlasts the group under test, so that after a case
     # that failed on some ranks only, the others' timeout still re-aligns them.
     ref_timeout = timeout * 3
-    ctx = Ctx(args.rank, args.world_size, groups, None, dist.new_group(backend="gloo", timeout=ref_timeout),
+    ctx = Ctx(me.rank, me.world_size, groups, None, dist.new_group(backend="gloo", timeout=ref_timeout),
               args.fault)
     # Subgroups must be created by every rank, in the same order.
-    w = args.world_size
+    w = me.world_size
     cross = sorted({0, w - 1})
     same = [r for r in range(w) if groups[r] == groups[0]]
     # one subgroup names the backend explicitly, the other inherits the default
@@ -53,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     cases = [c for c in build_cases(w) if c.core or not args.core_only]
     if args.only:
         cases = [c for c in cases if any(o in c.name for o in args.only)]
-    with open(args.out, "w") as out:
+    with open(me.out, "w") as out:
         # Prove which backend is under test, and which transports it chose.
         backend = dist.get_backend()
         ok = backend == args.backend
@@ -101,11 +102,7 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="kaitian")
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--groups", default="", help="comma list: group name of every rank")
-    ap.add_argument("--init-method", default="")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--world-size", type=int, default=1, help="with --list")
     ap.add_argument("--core-only", action="store_true")
     ap.add_argument("--only", action="append", default=[], help="run cases whose name contains this")
     ap.add_argument("--fault", default=None)

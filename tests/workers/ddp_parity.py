@@ -4,7 +4,7 @@ Every rank builds two identical models, wraps one in DDP over the process group
 under test (the default group) and one in DDP over a gloo group on the same
 ranks, feeds both the same per-rank batches for a few steps and writes, per
 variant (plain, comm hooks, ...), the largest parameter difference between the
-two to ``--out`` as one JSON line.
+two to ``KT_OUT`` as one JSON line.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from support.worker_env import rank_env
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -67,11 +69,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.backend == "kaitian":
         import kaitian  # noqa: F401  registers the backend
     timeout = timedelta(seconds=60)
-    dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank,
-                            world_size=args.world_size, timeout=timeout)
+    me = rank_env()
+    dist.init_process_group(args.backend, timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
     dut = ref = None
-    with open(args.out, "w") as out:
+    with open(me.out, "w") as out:
         for variant, (kwargs, hook, tol) in VARIANTS.items():
             rec = {"case": variant}
             try:
@@ -81,8 +83,8 @@ def _run(args: argparse.Namespace) -> int:
                     dut.register_comm_hook(None, hook)
                     ref.register_comm_hook(gloo, hook)
                 start = [p.detach().clone() for p in ref.parameters()]
-                _train(dut, args.rank, variant)
-                _train(ref, args.rank, variant)
+                _train(dut, me.rank, variant)
+                _train(ref, me.rank, variant)
                 diff = max(float((a - b).abs().max()) for a, b in zip(dut.parameters(), ref.parameters()))
                 moved = max(float((a - b).abs().max()) for a, b in zip(ref.parameters(), start))
                 # every rank must hold the same parameters
@@ -112,11 +114,6 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="kaitian")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--groups", default="")
-    ap.add_argument("--init-method", required=True)
-    ap.add_argument("--out", required=True)
     return _run(ap.parse_args(argv))
 
 

@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from support.worker_env import rank_env
+
 __all__ = ["main"]
 
 PG_TIMEOUT = 10.0
@@ -34,24 +36,19 @@ PG_TIMEOUT = 10.0
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--groups", default="")
-    ap.add_argument("--init-method", required=True)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     import kaitian  # noqa: F401
 
-    dist.init_process_group("kaitian", init_method=args.init_method, rank=args.rank, world_size=args.world_size,
-                            timeout=timedelta(seconds=PG_TIMEOUT))
+    me = rank_env()
+    dist.init_process_group("kaitian", timeout=timedelta(seconds=PG_TIMEOUT))
     t = torch.ones(1000)
     dist.all_reduce(t)
-    ok_first = bool((t == args.world_size).all())
-    rec = {"rank": args.rank, "first_ok": ok_first}
+    ok_first = bool((t == me.world_size).all())
+    rec = {"rank": me.rank, "first_ok": ok_first}
     if args.scenario.startswith("kill-"):
         victim = int(args.scenario.split("-")[1])
         dist.barrier()
-        if args.rank == victim:
+        if me.rank == victim:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.5)
         start = time.monotonic()
@@ -63,7 +60,7 @@ def main(argv=None) -> int:
             rec.update(raised=True, msg=f"{type(e).__name__}: {e}"[:2000])
         rec["seconds"] = time.monotonic() - start
     elif args.scenario == "wait-timeout":
-        if args.rank == args.world_size - 1:
+        if me.rank == me.world_size - 1:
             time.sleep(8)
             dist.all_reduce(torch.ones(10))
         else:
@@ -75,7 +72,7 @@ def main(argv=None) -> int:
             except Exception as e:
                 rec.update(raised=True, msg=f"{type(e).__name__}: {e}"[:2000])
             rec["seconds"] = time.monotonic() - start
-    with open(args.out, "w") as fh:
+    with open(me.out, "w") as fh:
         fh.write(json.dumps(rec) + "\n")
     if args.scenario == "none":  # a clean job: normal teardown
         dist.destroy_process_group()

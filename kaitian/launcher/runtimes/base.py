@@ -12,7 +12,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from torch.distributed.elastic.multiprocessing import LogsSpecs, PContext
+from kaitian._torch import LogsSpecs, PContext
 
 __all__ = ["WorkerLaunch", "RunContext", "Runtime"]
 
