@@ -38,8 +38,10 @@ cxx_std = "c++20" if _version >= (2, 13) else "c++17"
 here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "cpp", "*.cpp")))
 
+# KAITIAN_NO_EXTENSION=1: metadata and entry points only (scripts/setup.sh builds
+# the extension itself with `setup.py build_ext --inplace`, incrementally).
 setup(
-    ext_modules=[
+    ext_modules=[] if os.environ.get("KAITIAN_NO_EXTENSION") == "1" else [
         CppExtension(
             name="kaitian._C",
             sources=sources,

@@ -42,7 +42,7 @@ pip() { "$VPY" -m pip --disable-pip-version-check "$@"; }
 torch_version() { "$VPY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true; }
 if [ "$(torch_version)" != "$TORCH" ]; then
   log "installing torch $TORCH into $VENV"
-  pip install -q "torch==$TORCH"
+  pip install -q "torch==$TORCH" numpy
 fi
 log "torch: $("$VPY" -c 'import torch; print(torch.__version__, "(CUDA " + torch.version.cuda + " build)" if torch.version.cuda else "(CPU build)")')"
 if [ -n "${KAITIAN_TORCH_ONLY:-}" ]; then exit 0; fi  # CI fetches the other torches early
@@ -50,19 +50,29 @@ if [ -n "${KAITIAN_TORCH_ONLY:-}" ]; then exit 0; fi  # CI fetches the other tor
 log "installing the build tools"
 pip install -q "setuptools>=64" wheel ninja
 
-# The extension in kaitian/ is built in place, so it belongs to one torch at a
-# time: another venv's build is removed first (its objects rebuild, since
-# ninja sees the other torch's include paths).
-STAMP=kaitian/.C-built-for
-WANT="torch $TORCH in $VENV_ABS"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" != "$WANT" ]; then
-  log "kaitian/_C was built for $(cat "$STAMP"); rebuilding it for $WANT"
-  rm -f kaitian/_C*.so
-fi
+# kaitian itself, editable: metadata, entry points and the extras' packages.
+# Redone only when pyproject.toml or the extras change.
 spec=.
 [ -n "$EXTRAS" ] && spec=".[$(echo "$EXTRAS" | tr ' ' ',')]"
-log "installing kaitian$([ -n "$EXTRAS" ] && echo " with [$EXTRAS]") (editable; C++ extension built against torch $TORCH)"
-pip install -q --no-build-isolation -e "$spec"
+INSTALLED="$VENV_ABS/kaitian-installed"
+want_install="$spec $(sha1sum pyproject.toml | cut -c1-40)"
+if [ "$(cat "$INSTALLED" 2>/dev/null)" != "$want_install" ]; then
+  log "installing kaitian$([ -n "$EXTRAS" ] && echo " with [$EXTRAS]") (editable)"
+  KAITIAN_NO_EXTENSION=1 pip install -q --no-build-isolation -e "$spec"
+  echo "$want_install" > "$INSTALLED"
+fi
+
+# The C++ extension, built in place against this venv's torch; its objects stay
+# in build/<venv> so that a second run compiles only what changed. kaitian/_C
+# serves one venv at a time: another venv's copy is relinked for this one.
+STAMP=kaitian/.C-built-for
+WANT="torch $TORCH in $VENV_ABS"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  rm -f kaitian/_C*.so
+fi
+log "building kaitian's C++ extension against torch $TORCH"
+"$VPY" setup.py -q build_ext --inplace --build-temp "build/$(basename "$VENV_ABS")" ||
+  die "the C++ extension did not build (output above)"
 echo "$WANT" > "$STAMP"
 "$VPY" -c 'import kaitian._C' || die "kaitian._C does not import in $VENV (see the build output above)"
 log "ready: $VENV (run things with $VENV/bin/python, or: source $VENV/bin/activate)"
