@@ -96,6 +96,37 @@ def __getattr__(name: str):
     return value
 
 
+# --- what older torchelastic releases lack -----------------------------------
+# Fields and arguments added after 2.4: event_log_handler (2.8), numa_options
+# (2.9), signals_to_handle, duplicate_std{out,err}_filters, virtual_local_rank
+# (2.10), shutdown_timeout (2.12). On a release without one, it is unset.
+
+
+def launch_option(config, name: str, default=None):
+    """``config.<name>`` of a ``LaunchConfig``, or ``default`` where this torch has no such field."""
+    return getattr(config, name, default)
+
+
+def call_supported(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` without the keyword arguments this torch's ``fn`` does not take.
+
+    A dropped argument must be unset (None): a value this torch cannot honour is
+    a one-line error naming the torch release, never silently ignored.
+    """
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for name in [n for n in kwargs if n not in params]:
+            if kwargs.pop(name) is not None:
+                import torch
+
+                from kaitian.errors import UsageError
+
+                raise UsageError(f"{name} needs a newer torch than {torch.__version__} (its torchelastic has no such option)")
+    return fn(*args, **kwargs)
+
+
 def _method_name(depth: int = 2) -> str:
     """``dynamic_rendezvous.get_method_name`` without ``inspect.stack()``.
 
@@ -176,6 +207,8 @@ __all__ = [
     "ChildFailedError",
     "backend_options",
     "backend_plugins",
+    "call_supported",
+    "launch_option",
     "nccl_options",
     "queue_autograd_callback",
     "DefaultLogsSpecs",
@@ -216,3 +249,10 @@ __all__ = [
     "timer",
     "to_map",
 ]
+
+# Last, with _LATE and __getattr__ in place: torch's rendezvous package loads
+# the torchrun.handlers entry points (kaitian.launcher.rendezvous among them)
+# when it is first imported. That must happen here, before any kaitian module
+# that resolves a rendezvous name starts importing, or the entry point would
+# find that module half-imported.
+import torch.distributed.elastic.rendezvous  # noqa: E402,F401

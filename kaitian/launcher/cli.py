@@ -239,9 +239,9 @@ def run(args: argparse.Namespace) -> None:
                     "keep_containers": args.keep_containers,
                     "volumes": list(args.volume),
                     "shm_size": args.shm_size,
-                    "numa_options": config.numa_options,
-                    "duplicate_stdout_filters": config.duplicate_stdout_filters,
-                    "duplicate_stderr_filters": config.duplicate_stderr_filters,
+                    "numa_options": _te.launch_option(config, "numa_options"),
+                    "duplicate_stdout_filters": _te.launch_option(config, "duplicate_stdout_filters"),
+                    "duplicate_stderr_filters": _te.launch_option(config, "duplicate_stderr_filters"),
                 },
             ),
         )
