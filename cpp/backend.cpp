@@ -5,9 +5,12 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <map>
 #include <numeric>
 #include <optional>
+#include <thread>
 
 namespace kaitian {
 
@@ -19,31 +22,41 @@ namespace {
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 uint8_t* bytesOf(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
 
-void syncDevice(const c10::Device& d) {
-  if (d.is_cpu()) return;
-  c10::impl::VirtualGuardImpl impl(d.type());
-  impl.getStream(d).synchronize();
-}
+// Data movement stages device tensors in pageable host memory with blocking
+// copies on the op's stream (no pinned buffer as large as the tensor per call);
+// reductions, the large-volume path, go through reused pinned segment buffers.
 
 // A contiguous host tensor holding t's values (t itself when it already is one).
 at::Tensor hostCopyOf(const at::Tensor& t) {
   if (t.is_cpu()) return t.contiguous();
-  auto h = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-  h.copy_(t, /*non_blocking=*/true);
-  syncDevice(t.device());
-  return h;
+  return t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
 }
 
 // A contiguous host tensor to receive t's new values into (t itself if possible).
 at::Tensor hostBufferFor(const at::Tensor& t) {
   if (t.is_cpu() && t.is_contiguous()) return t;
-  return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(!t.is_cpu()));
+  return at::empty(t.sizes(), t.options().device(at::kCPU));
 }
 
+// Copies h back into t; returns once a device copy has finished reading h.
 void writeBack(at::Tensor& t, const at::Tensor& h) {
   if (t.is_cpu() && h.data_ptr() == t.data_ptr() && t.is_contiguous()) return;
-  t.copy_(h.view(t.sizes()), /*non_blocking=*/!t.is_cpu());
-  syncDevice(t.device());
+  t.copy_(h.view(t.sizes()));
+}
+
+// Waits for a device event without blocking in the driver, so that the
+// deadline and shutdown/abort are noticed (a peer missing from a vendor
+// collective queued before it would otherwise hold this thread forever).
+void waitEvent(const c10::Event& ev, const Deadline& dl, const char* what) {
+  const auto spinUntil = Clock::now() + std::chrono::microseconds(50);
+  while (!ev.query()) {
+    dl.check(what);
+    if (Clock::now() < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
 }
 
 // Orders the progress thread's device work after what the caller queued so far.
@@ -70,7 +83,61 @@ std::shared_ptr<DeviceSync> makeDeviceSync(const std::vector<at::Tensor>& tensor
   c10::impl::VirtualGuardImpl impl(dev->type());
   auto sync = std::make_shared<DeviceSync>(*dev, impl.getStreamFromGlobalPool(*dev));
   sync->ready.record(impl.getStream(*dev));
+  // The op reads and writes the user's tensors on the side stream: their memory
+  // must not be reused by the caller's stream before that work is done.
+  auto record = [&](const at::Tensor& x) {
+    if (x.defined() && x.has_storage()) impl.recordDataPtrOnStream(x.storage().data_ptr(), sync->side);
+  };
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.is_cpu()) continue;
+    if (t.is_sparse()) {
+      record(t._indices());
+      record(t._values());
+    } else {
+      record(t);
+    }
+  }
   return sync;
+}
+
+}  // namespace
+
+// Two pinned host buffers that device segments pass through on the collectives
+// thread, each at most one segment, reused across calls. landed[i]: the copy
+// into buffer i arrived; freed[i]: the copy out of it finished (the buffer may
+// be refilled); back: the last copy back, which the op's stream waits for.
+struct PinnedRing {
+  explicit PinnedRing(c10::DeviceType type) : back(type) {
+    for (int i = 0; i < 2; ++i) {
+      landed.emplace_back(type);
+      freed.emplace_back(type);
+    }
+  }
+  at::Tensor slot(int i, int64_t len, at::ScalarType dtype) const {
+    return buf[i].narrow(0, 0, len * static_cast<int64_t>(c10::elementSize(dtype))).view(dtype);
+  }
+  at::Tensor buf[2];
+  std::vector<c10::Event> landed, freed;
+  c10::Event back;
+};
+
+namespace {
+
+// Names in the vendor-gap table of kaitian/backend/factory.py.
+const std::map<std::string, at::ScalarType>& gapDtypeNames() {
+  static const std::map<std::string, at::ScalarType> names{
+      {"float32", at::kFloat}, {"float64", at::kDouble}, {"float16", at::kHalf},
+      {"bfloat16", at::kBFloat16}, {"int8", at::kChar}, {"int16", at::kShort},
+      {"int32", at::kInt}, {"int64", at::kLong}, {"uint8", at::kByte}, {"bool", at::kBool}};
+  return names;
+}
+
+std::optional<RedOp::RedOpType> gapOpNamed(const std::string& name) {
+  for (auto op : {RedOp::SUM, RedOp::AVG, RedOp::PRODUCT, RedOp::MIN, RedOp::MAX, RedOp::BAND,
+                  RedOp::BOR, RedOp::BXOR, RedOp::PREMUL_SUM}) {
+    if (name == reduceOpName(op)) return op;
+  }
+  return std::nullopt;
 }
 
 void checkSameKind(const char* op, const at::Tensor& ref, const at::Tensor& t,
@@ -104,6 +171,23 @@ KaitianBackend::KaitianBackend(int rank, int size, std::chrono::milliseconds tim
   TORCH_CHECK(static_cast<int>(layout_.groupOf.size()) == size,
               "kaitian: layout has ", layout_.groupOf.size(), " ranks, world has ", size);
   TORCH_CHECK(size == 1 || bridge_ != nullptr, "kaitian: a bridge is required for world size > 1");
+  const size_t G = layout_.groupNames.size();
+  TORCH_CHECK(layout_.vendorGaps.empty() || layout_.vendorGaps.size() == G, "kaitian: ",
+              layout_.vendorGaps.size(), " vendor-gap lists for ", G, " groups");
+  gaps_.resize(G);
+  for (size_t g = 0; g < layout_.vendorGaps.size(); ++g) {
+    for (const auto& name : layout_.vendorGaps[g]) {
+      const auto dt = gapDtypeNames().find(name);
+      const auto op = gapOpNamed(name);
+      TORCH_CHECK(dt != gapDtypeNames().end() || op, "kaitian: unknown dtype or reduce op '",
+                  name, "' in the vendor-gap table");
+      if (op) {
+        gaps_[g].ops.push_back(*op);
+      } else {
+        gaps_[g].dtypes.push_back(dt->second);
+      }
+    }
+  }
   collectives_ = std::make_unique<OpQueue>("kaitian-coll");
   sends_ = std::make_unique<OpQueue>("kaitian-send");
   recvs_ = std::make_unique<OpQueue>("kaitian-recv");
@@ -111,17 +195,99 @@ KaitianBackend::KaitianBackend(int rank, int size, std::chrono::milliseconds tim
 
 KaitianBackend::~KaitianBackend() { shutdown(); }
 
-void KaitianBackend::shutdown() {
+void KaitianBackend::shutdown() { stopAll(false); }
+
+void KaitianBackend::abort() { stopAll(true); }
+
+void KaitianBackend::stopAll(bool abort) {
   std::lock_guard<std::mutex> lock(shutdownMu_);
   if (shutDown_) return;
   shutDown_ = true;
+  // Wake the waiting threads first: every wait of ours polls stop_ (bridge
+  // waits within 100 ms, vendor steps and device events within 10 ms). On abort
+  // the vendors abort their own waits too (NCCL aborts its communicators).
   stop_.store(true);
+  if (abort) {
+    if (intraDevice_) compat::abortBackend(*intraDevice_);
+    if (intraCpu_) compat::abortBackend(*intraCpu_);
+  }
   for (auto* q : {collectives_.get(), sends_.get(), recvs_.get()}) {
-    if (q) q->stop("the process group was shut down");
+    if (q) q->stop(abort ? "the process group was aborted" : "the process group was shut down");
   }
   if (bridge_) bridge_->close();
-  if (intraDevice_) compat::shutdownBackend(*intraDevice_);
-  if (intraCpu_) compat::shutdownBackend(*intraCpu_);
+  for (auto* vendor : {&intraDevice_, &intraCpu_}) {
+    if (!*vendor) continue;
+    if (!abort) compat::shutdownBackend(**vendor);
+    // A vendor whose op we gave up on still waits for the missing peer on its
+    // own threads (gloo has no abort) and would join them at destruction, up
+    // to its timeout: leave it to the process instead of blocking here.
+    std::lock_guard<std::mutex> l(abandonedMu_);
+    if (abandoned_.count(vendor->get()) != 0) (void)vendor->release();
+  }
+}
+
+void KaitianBackend::waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
+                                const c10::intrusive_ptr<c10d::Work>& work, const Deadline& dl) {
+  // The vendor's own wait may block up to its timeout, deaf to our abort (gloo
+  // has none): wait for its future in slices that check the deadline and stop_.
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  try {
+    fut = work->getFuture();
+  } catch (const c10::Error&) {  // a plug-in without futures: its wait is all we have
+    work->wait();
+    return;
+  }
+  if (!fut->completed()) {
+    struct Wake {
+      std::mutex mu;
+      std::condition_variable cv;
+    };
+    auto wake = std::make_shared<Wake>();
+    fut->addCallback([wake](c10::ivalue::Future&) {
+      std::lock_guard<std::mutex> l(wake->mu);
+      wake->cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(wake->mu);
+    while (!fut->completed()) {
+      try {
+        dl.check("the intra-group step (" + vendor->getBackendName() + ")");
+      } catch (...) {
+        std::lock_guard<std::mutex> l(abandonedMu_);
+        abandoned_.insert(vendor.get());
+        throw;
+      }
+      wake->cv.wait_for(lock, std::chrono::milliseconds(10));
+    }
+  }
+  // Rethrows the vendor's error; for device work, orders the current stream after it.
+  work->wait();
+}
+
+c10::intrusive_ptr<c10d::Backend> KaitianBackend::soleVendor(
+    const std::vector<at::Tensor>& tensors, std::optional<RedOp::RedOpType> op) const {
+  // Every rank in one vendor group: the vendor does the whole op, no host staging.
+  if (!intraDevice_ || layout_.groupNames.size() != 1 || tensors.empty()) return {};
+  for (const auto& t : tensors) {
+    if (t.is_cpu() || !t.is_contiguous() || t.scalar_type() != tensors[0].scalar_type()) return {};
+  }
+  // AVG and PREMUL_SUM stay ours (kaitian scales and divides; not every vendor does).
+  if (op && *op != RedOp::SUM && *op != RedOp::PRODUCT && *op != RedOp::MIN && *op != RedOp::MAX) {
+    return {};
+  }
+  return groupUsesVendor(0, tensors[0].scalar_type(), op) ? intraDevice_
+                                                          : c10::intrusive_ptr<c10d::Backend>();
+}
+
+PinnedRing& KaitianBackend::pinnedRing(c10::DeviceType type, int64_t bytes) {
+  if (!ring_) ring_ = std::make_unique<PinnedRing>(type);
+  for (auto& b : ring_->buf) {
+    // A replaced buffer goes back to torch's pinned cache, which keeps it until
+    // the copies recorded on it finished.
+    if (!b.defined() || b.numel() < bytes) {
+      b = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    }
+  }
+  return *ring_;
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType type,
@@ -168,7 +334,11 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
 }
 
 at::Tensor KaitianBackend::scratchCopy(const at::Tensor& t) {
-  if (!t.is_cpu()) return t.reshape({-1}).clone();
+  if (!t.is_cpu()) {
+    at::Tensor out = at::empty({t.numel()}, t.options());
+    out.view(t.sizes()).copy_(t);
+    return out;
+  }
   // One reused buffer: no page faults per call, and a plain memcpy on this
   // thread instead of ATen's copy, whose OpenMP workers keep spinning after the
   // copy and steal the cores the peers' progress threads need.
@@ -183,18 +353,12 @@ at::Tensor KaitianBackend::scratchCopy(const at::Tensor& t) {
   return out;
 }
 
-bool KaitianBackend::groupUsesVendor(int group, at::ScalarType dtype) const {
-  if (layout_.groupDevice[group] != "cpu") return true;  // device groups: always the vendor
-  if (layout_.flatIntra) return false;                   // kaitian's own shm intra path
-  // What gloo reduces (its type switch has no int16 and no bool); anything else
-  // takes the shm path, decided from the dtype alone so every rank agrees.
-  switch (dtype) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
-    case at::kChar: case at::kByte: case at::kInt: case at::kLong:
-      return true;
-    default:
-      return false;
-  }
+bool KaitianBackend::groupUsesVendor(int group, at::ScalarType dtype,
+                                     std::optional<RedOp::RedOpType> op) const {
+  if (layout_.groupDevice[group] == "cpu" && layout_.flatIntra) return false;  // kaitian's shm path
+  const Gaps& gaps = gaps_[group];
+  if (std::find(gaps.dtypes.begin(), gaps.dtypes.end(), dtype) != gaps.dtypes.end()) return false;
+  return !op || std::find(gaps.ops.begin(), gaps.ops.end(), *op) == gaps.ops.end();
 }
 
 void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<Range> stripes,
@@ -204,13 +368,14 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
   const int G = static_cast<int>(layout_.groupNames.size());
   applyPremul(op, flat);
   const auto base = op.op_ == RedOp::PREMUL_SUM ? RedOp::SUM : op.op_;
+  const auto vendorOp = base == RedOp::AVG ? RedOp::SUM : base;  // what a vendor is asked for
   // Source groups: a vendor group contributes one partial; otherwise every rank is one.
   std::vector<std::vector<int>> groups;
   std::vector<int> groupOf(W);
   std::map<int, int> index;
   for (int r = 0; r < W; ++r) {
     const int g = layout_.groupOf[r];
-    const int key = groupUsesVendor(g, dtype) ? g : G + r;
+    const int key = groupUsesVendor(g, dtype, vendorOp) ? g : G + r;
     auto it = index.find(key);
     if (it == index.end()) {
       it = index.emplace(key, static_cast<int>(groups.size())).first;
@@ -224,19 +389,28 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     TORCH_CHECK(vendor, "kaitian ", dl.what, ": no intra-group backend for ", flat.device(),
                 " tensors in group ", layout_.groupNames[layout_.groupOf[me]]);
     c10d::AllreduceOptions o;
-    o.reduceOp = RedOp(base == RedOp::AVG ? RedOp::SUM : base);
+    o.reduceOp = RedOp(vendorOp);
+    o.timeout = dl.timeout;
     std::vector<at::Tensor> v{flat};
-    vendor->allreduce(v, o)->wait();
+    waitVendor(vendor, vendor->allreduce(v, o), dl);
+  }
+  if (groups.size() == 1) {
+    // One source holds all the data (world size 1, or one vendor group): the
+    // reduction is complete where the data is; no host staging.
+    if (base == RedOp::AVG && W > 1) {
+      if (at::isFloatingType(dtype)) {
+        flat.div_(static_cast<double>(W));
+      } else {
+        flat.div_(W, "trunc");
+      }
+    }
+    return;
   }
   Reducer reducer{base, dtype, W};
   const int64_t n = flat.numel();
   const int64_t segElems = std::max<int64_t>(1, layout_.segmentBytes / flat.element_size());
   // One segment through the bridge; identical segmentation on every rank.
   auto reduceSegment = [&](at::Tensor buf, int64_t begin) {
-    if (groups.size() == 1) {
-      reducer({buf.data_ptr()}, buf.numel(), buf.data_ptr(), nullptr);
-      return;
-    }
     const Range seg{begin, begin + buf.numel()};
     std::vector<Range> st(W);
     for (int r = 0; r < W; ++r) {
@@ -256,31 +430,48 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     }
     return;
   }
-  // Device tensor: all device-to-host copies are queued at once on the current
-  // (side) stream; each segment goes to the bridge as soon as its copy landed,
-  // and its result is copied back on a second stream while the next one runs.
+  // Device tensor: segment k+1's copy to the host (on the op's stream) runs
+  // while segment k is on the bridge; results go back on a second stream. Two
+  // reused pinned buffers of at most one segment carry them.
   const c10::Device dev = flat.device();
   c10::impl::VirtualGuardImpl impl(dev.type());
-  const c10::Stream d2h = impl.getStream(dev);
+  const c10::Stream side = impl.getStream(dev);
   const c10::Stream h2d = impl.getStreamFromGlobalPool(dev);
-  at::Tensor host = at::empty({n}, flat.options().device(at::kCPU).pinned_memory(true));
-  std::vector<std::unique_ptr<c10::Event>> landed;
-  for (int64_t b = 0; b < n; b += segElems) {
-    const int64_t len = std::min(segElems, n - b);
-    host.narrow(0, b, len).copy_(flat.narrow(0, b, len), /*non_blocking=*/true);
-    landed.push_back(std::make_unique<c10::Event>(dev.type()));
-    landed.back()->record(d2h);
-  }
-  for (int64_t b = 0, k = 0; b < n; b += segElems, ++k) {
-    const int64_t len = std::min(segElems, n - b);
-    landed[k]->synchronize();
-    reduceSegment(host.narrow(0, b, len), b);
-    landed[k]->block(h2d);
+  PinnedRing& ring = pinnedRing(dev.type(), std::min(segElems, n) * flat.element_size());
+  // Whatever happens below (errors included), the op's stream waits for the
+  // copies back before its tensors are read, completed or released.
+  struct JoinBack {
+    PinnedRing& ring;
+    const c10::Stream& from;
+    const c10::Stream& to;
+    ~JoinBack() {
+      try {
+        ring.back.record(from);
+        ring.back.block(to);
+      } catch (...) {
+      }
+    }
+  } join{ring, h2d, side};
+  auto lenOf = [&](int64_t k) { return std::min(segElems, n - k * segElems); };
+  auto copyIn = [&](int64_t k) {
+    const int i = static_cast<int>(k % 2);
+    ring.freed[i].block(side);  // the buffer's previous copy back (any earlier op) is done
+    ring.slot(i, lenOf(k), dtype).copy_(flat.narrow(0, k * segElems, lenOf(k)), /*non_blocking=*/true);
+    ring.landed[i].record(side);
+  };
+  const int64_t segs = (n + segElems - 1) / segElems;
+  copyIn(0);
+  for (int64_t k = 0; k < segs; ++k) {
+    const int i = static_cast<int>(k % 2);
+    if (k + 1 < segs) copyIn(k + 1);
+    waitEvent(ring.landed[i], dl, "the device-to-host copy");
+    at::Tensor host = ring.slot(i, lenOf(k), dtype);
+    reduceSegment(host, k * segElems);
     impl.exchangeStream(h2d);
-    flat.narrow(0, b, len).copy_(host.narrow(0, b, len), /*non_blocking=*/true);
-    impl.exchangeStream(d2h);
+    flat.narrow(0, k * segElems, lenOf(k)).copy_(host, /*non_blocking=*/true);
+    ring.freed[i].record(h2d);
+    impl.exchangeStream(side);
   }
-  h2d.synchronize();  // `host` must outlive the copies; later work on d2h sees the result
 }
 
 void KaitianBackend::exchangeBytes(const uint8_t* blob, int64_t blobLen,
@@ -410,6 +601,15 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& t
   return enqueue(*collectives_, OpType::REDUCE, "reduce", tensors, tensors, opts.timeout,
                  [this, t, op, root](const Deadline& dl) mutable {
                    if (t.numel() == 0) return -1;
+                   if (auto vendor = soleVendor({t}, op.op_)) {
+                     std::vector<at::Tensor> v{t};
+                     c10d::ReduceOptions o;
+                     o.reduceOp = op;
+                     o.rootRank = root;
+                     o.timeout = dl.timeout;
+                     waitVendor(vendor, vendor->reduce(v, o), dl);
+                     return -1;
+                   }
                    const bool isRoot = getRank() == root;
                    // Non-roots keep their input: reduce a copy.
                    at::Tensor flat = (isRoot && t.is_contiguous()) ? t.view({-1})
@@ -465,6 +665,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
                  {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
                    const int64_t m = out.numel();
                    if (m == 0) return -1;
+                   if (auto vendor = soleVendor({in, out}, op.op_)) {
+                     c10d::ReduceScatterOptions o;
+                     o.reduceOp = op;
+                     o.timeout = dl.timeout;
+                     waitVendor(vendor, vendor->_reduce_scatter_base(out, in, o), dl);
+                     return -1;
+                   }
                    at::Tensor flat = scratchCopy(in);
                    std::vector<Range> stripes(getSize());
                    for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
@@ -520,6 +727,15 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>
               "kaitian broadcast: sparse tensors are not supported; call .to_dense() first");
   return enqueue(*collectives_, OpType::BROADCAST, "broadcast", tensors, tensors, opts.timeout,
                  [this, t, root](const Deadline& dl) mutable {
+                   if (getSize() == 1) return -1;
+                   if (auto vendor = soleVendor({t})) {
+                     std::vector<at::Tensor> v{t};
+                     c10d::BroadcastOptions o;
+                     o.rootRank = root;
+                     o.timeout = dl.timeout;
+                     waitVendor(vendor, vendor->broadcast(v, o), dl);
+                     return -1;
+                   }
                    const int W = getSize(), me = getRank();
                    const int64_t nb = nbytes(t);
                    std::vector<int64_t> off(W, 0), len(W, 0), rlen(W, 0);
@@ -562,6 +778,20 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
   all.push_back(in);
   return enqueue(*collectives_, OpType::ALLGATHER, "allgather", outs, all, opts.timeout,
                  [this, in, outs](const Deadline& dl) mutable {
+                   if (getSize() == 1) {  // where the data is: no host staging
+                     outs[0].copy_(in.reshape(outs[0].sizes()));
+                     return -1;
+                   }
+                   std::vector<at::Tensor> all = outs;
+                   all.push_back(in);
+                   if (auto vendor = soleVendor(all)) {
+                     std::vector<std::vector<at::Tensor>> o{outs};
+                     std::vector<at::Tensor> i{in};
+                     c10d::AllgatherOptions opts;
+                     opts.timeout = dl.timeout;
+                     waitVendor(vendor, vendor->allgather(o, i, opts), dl);
+                     return -1;
+                   }
                    const int W = getSize();
                    const int64_t nb = nbytes(in);
                    at::Tensor h = hostCopyOf(in);
@@ -589,6 +819,16 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
               in.numel(), ")");
   return enqueue(*collectives_, OpType::_ALLGATHER_BASE, "allgather_into_tensor", {out},
                  {in, out}, opts.timeout, [this, in, out](const Deadline& dl) mutable {
+                   if (getSize() == 1) {  // where the data is: no host staging
+                     out.copy_(in.reshape(out.sizes()));
+                     return -1;
+                   }
+                   if (auto vendor = soleVendor({in, out})) {
+                     c10d::AllgatherOptions opts;
+                     opts.timeout = dl.timeout;
+                     waitVendor(vendor, vendor->_allgather_base(out, in, opts), dl);
+                     return -1;
+                   }
                    const int W = getSize();
                    const int64_t nb = nbytes(in);
                    at::Tensor h = hostCopyOf(in);

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
+#include <set>
 
 #include "bridge.hpp"
 #include "compat.hpp"
@@ -20,7 +22,13 @@ struct Layout {
   std::vector<std::string> groupDevice;  // per group: device type ("cpu", "cuda", ...)
   bool flatIntra = true;                 // CPU groups: reduce through the bridge, not the vendor
   int64_t segmentBytes = 16 << 20;       // reductions proceed in segments of this size
+  // Per group: dtype and reduce-op names its intra-group vendor cannot reduce
+  // (the routing table of kaitian/backend/factory.py); those reductions go
+  // through the bridge, every rank its own source. Empty: no gaps.
+  std::vector<std::vector<std::string>> vendorGaps;
 };
+
+struct PinnedRing;
 
 class KaitianBackend : public c10d::Backend {
  public:
@@ -31,8 +39,10 @@ class KaitianBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "kaitian"; }
   void setTimeout(std::chrono::milliseconds timeout) KAITIAN_BACKEND_SET_TIMEOUT_OVERRIDE { timeoutMs_ = timeout.count(); }
+  // Both stop the group for good: waiting ops fail, queued ones never run.
+  // abort() first aborts the vendors (and never shuts them down gracefully).
   void shutdown() KAITIAN_BACKEND_SHUTDOWN_OVERRIDE;
-  void abort() KAITIAN_BACKEND_SHUTDOWN_OVERRIDE { shutdown(); }
+  void abort() KAITIAN_BACKEND_SHUTDOWN_OVERRIDE;
   void setSequenceNumberForGroup() override { seq_ = 0; }
   uint64_t getSequenceNumberForGroup() override { return seq_; }
 
@@ -107,7 +117,22 @@ class KaitianBackend : public c10d::Backend {
   // stripe when `gather`); empty `stripes` means an even split of each segment.
   void reduceFlat(at::Tensor& flat, const c10d::ReduceOp& op, std::vector<Range> stripes,
                   bool gather, const Deadline& dl);
-  bool groupUsesVendor(int group, at::ScalarType dtype) const;
+  // Whether `group` reduces `dtype` with `op` (data movement: no op) through its
+  // vendor; the same answer on every rank (layout and table only).
+  bool groupUsesVendor(int group, at::ScalarType dtype,
+                       std::optional<c10d::ReduceOp::RedOpType> op) const;
+  // The device vendor when it alone can run an op on these tensors for the
+  // whole world (every rank in its group, contiguous device tensors of a dtype
+  // it carries, and for reductions `op` one it reduces); null otherwise.
+  c10::intrusive_ptr<c10d::Backend> soleVendor(
+      const std::vector<at::Tensor>& tensors,
+      std::optional<c10d::ReduceOp::RedOpType> op = std::nullopt) const;
+  // Waits for a vendor op, noticing the deadline and shutdown/abort.
+  void waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
+                  const c10::intrusive_ptr<c10d::Work>& work, const Deadline& dl);
+  // The collectives thread's pinned segment buffers, at least `bytes` each.
+  PinnedRing& pinnedRing(c10::DeviceType type, int64_t bytes);
+  void stopAll(bool abort);
   // A 1-D copy of `t` in a buffer reused across calls (progress thread only).
   at::Tensor scratchCopy(const at::Tensor& t);
   void exchangeBytes(const uint8_t* blob, int64_t blobLen, std::vector<int64_t> sendOff,
@@ -124,6 +149,14 @@ class KaitianBackend : public c10d::Backend {
   bool shutDown_ = false;
   std::unique_ptr<OpQueue> collectives_, sends_, recvs_;
   at::Tensor scratch_;  // used only by the collectives thread
+  std::unique_ptr<PinnedRing> ring_;  // used only by the collectives thread
+  struct Gaps {
+    std::vector<at::ScalarType> dtypes;
+    std::vector<c10d::ReduceOp::RedOpType> ops;
+  };
+  std::vector<Gaps> gaps_;  // per group, parsed from layout_.vendorGaps
+  std::mutex abandonedMu_;
+  std::set<const c10d::Backend*> abandoned_;  // vendors with an op we stopped waiting for
 };
 
 }  // namespace kaitian

@@ -24,7 +24,8 @@ c10::intrusive_ptr<KaitianBackend> createBackend(
     std::vector<std::string> groupDevice, bool flatIntra, const py::object& intraDevice,
     const py::object& intraCpu, const std::string& bridgeKind, const py::object& bridgeStore,
     const std::string& uid, int64_t chunkBytes, std::vector<int64_t> pids,
-    const std::string& tcpHost, int64_t spinMicros, int64_t segmentBytes) {
+    const std::string& tcpHost, int64_t spinMicros, int64_t segmentBytes,
+    std::vector<std::vector<std::string>> vendorGaps) {
   const std::chrono::milliseconds timeout(timeoutMs);
   auto devBackend = optionalBackend(intraDevice);
   auto cpuBackend = optionalBackend(intraCpu);
@@ -43,7 +44,7 @@ c10::intrusive_ptr<KaitianBackend> createBackend(
     }
   }
   Layout layout{std::move(groupOf), std::move(groupNames), std::move(groupDevice), flatIntra,
-                segmentBytes};
+                segmentBytes, std::move(vendorGaps)};
   return c10::make_intrusive<KaitianBackend>(rank, size, timeout, std::move(layout), devBackend,
                                              cpuBackend, std::move(bridge));
 }
@@ -81,5 +82,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("group_device"), py::arg("flat_intra"), py::arg("intra_device"),
         py::arg("intra_cpu"), py::arg("bridge_kind"), py::arg("bridge_store"), py::arg("shm_name"),
         py::arg("chunk_bytes"), py::arg("pids"), py::arg("tcp_host"), py::arg("spin_us") = 50,
-        py::arg("segment_bytes") = int64_t{16} << 20);
+        py::arg("segment_bytes") = int64_t{16} << 20,
+        py::arg("vendor_gaps") = std::vector<std::vector<std::string>>{});
 }

@@ -51,11 +51,18 @@ constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::ALLGATHER_I
 constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::COALESCED;
 #endif
 
-// Shuts a vendor backend down where torch lets a caller do so (2.7+); before,
-// dropping the last reference is what ends it.
+// Shut a vendor backend down / abort it where torch lets a caller do so (2.7+);
+// before, dropping the last reference is what ends it.
 inline void shutdownBackend(c10d::Backend& backend) {
 #if KAITIAN_TORCH_AT_LEAST(2, 7)
   backend.shutdown();
+#else
+  (void)backend;
+#endif
+}
+inline void abortBackend(c10d::Backend& backend) {
+#if KAITIAN_TORCH_AT_LEAST(2, 7)
+  backend.abort();
 #else
   (void)backend;
 #endif

@@ -6,6 +6,8 @@
 #include <sched.h>
 
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 // OpenMP, if torch runs on it (weak: absent with other thread pools).
@@ -58,8 +60,18 @@ bool KaitianWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void KaitianWork::synchronize() {
-  // For device tensors, make the caller's current streams wait for our copies.
-  if (!devices_.empty() && future_->completed() && !future_->hasError()) future_->wait();
+  // The future records the op's stream when it completes; its wait() blocks
+  // until then and makes the caller's current streams wait for that point.
+  if (!devices_.empty()) {
+    future_->wait();
+  } else {
+    future_->waitAndThrow();
+  }
+}
+
+bool KaitianWork::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ && (exception_ || !deviceDone_ || deviceDone_->query());
 }
 
 std::vector<at::Tensor> KaitianWork::result() {
@@ -68,20 +80,27 @@ std::vector<at::Tensor> KaitianWork::result() {
 }
 
 void KaitianWork::markDone(std::vector<at::Tensor> outputs, int sourceRank) {
+  if (!devices_.empty()) {
+    c10::impl::VirtualGuardImpl impl(devices_[0].type());
+    deviceDone_.emplace(devices_[0].type());
+    deviceDone_->record(impl.getStream(devices_[0]));
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     outputs_ = outputs;
     sourceRank_ = sourceRank;
   }
+  // Future first: wait() returns once finish() ran, and must then find the
+  // future completed so that it can order the caller's streams after ours.
+  future_->markCompleted(c10::IValue(std::move(outputs)));
   finish();
   done_.store(true, std::memory_order_release);
-  future_->markCompleted(c10::IValue(std::move(outputs)));
 }
 
 void KaitianWork::markFailed(std::exception_ptr error) {
+  future_->setErrorIfNeeded(error);
   finish(error);
   done_.store(true, std::memory_order_release);
-  future_->setErrorIfNeeded(error);
 }
 
 namespace {
@@ -145,6 +164,9 @@ void OpQueue::loop(const std::shared_ptr<State>& state) {
   // is applied lazily first, so set ours after it.)
   at::internal::lazy_init_num_threads();
   if (omp_set_num_threads != nullptr) omp_set_num_threads(1);
+  // Ops write into the user's tensors as gloo does, outside autograd: a leaf
+  // Parameter that requires grad may be a collective's output.
+  c10::AutoGradMode noGrad(false);
   while (true) {
     Task task;
     spinUntil([&] { return state->queued.load(std::memory_order_acquire) > 0; });

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
@@ -11,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -21,12 +23,18 @@ class KaitianWork : public c10d::Work {
   KaitianWork(int rank, c10d::OpType opType, std::string opName, std::vector<c10::Device> devices);
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  // Blocks until the op completed, then makes the caller's current streams
+  // wait for the op's device work.
   void synchronize() override;
+  // True once the op's host side is done and its device work has finished.
+  bool isCompleted() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override;
   int sourceRank() const override { return sourceRank_; }
 
-  // Called on the executing thread exactly once.
+  // Called on the executing thread exactly once, after the op's device work was
+  // queued on that thread's current stream: the future is completed (recording
+  // that stream) before wait() can return.
   void markDone(std::vector<at::Tensor> outputs, int sourceRank = -1);
   void markFailed(std::exception_ptr error);
   const std::string& opName() const { return opName_; }
@@ -37,6 +45,7 @@ class KaitianWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_;
   int sourceRank_ = -1;
+  std::optional<c10::Event> deviceDone_;  // recorded on the op's stream at markDone
   std::atomic<bool> done_{false};  // lets wait() spin briefly before sleeping
 };
 

@@ -50,7 +50,11 @@ class Settings:
     Attributes:
         device_type: ``KAITIAN_DEVICE_TYPE`` - this rank's vendor device type
             (``cuda``, ``mlu``, ``cpu``); ``None`` means infer it.
-        device_index: ``KAITIAN_DEVICE_INDEX`` - this rank's device index.
+        device_index: ``KAITIAN_DEVICE_INDEX`` - this rank's device: its physical
+            index on the host (CPU: slot index), not torch's ordinal (see
+            :mod:`kaitian.devices.visible`, which also reads
+            ``KAITIAN_VISIBLE_INDICES``, set in containers).
+        device_uuid: ``KAITIAN_DEVICE_UUID`` - the device's UUID, when known.
         group: ``KAITIAN_GROUP`` - explicit group name; defaults to the device type.
         run_dir: ``KAITIAN_RUN_DIR`` - directory shared by the job's ranks on one
             host (file store, shared-memory names); ``None`` means a private temp dir.
@@ -76,6 +80,7 @@ class Settings:
 
     device_type: Optional[str] = None
     device_index: Optional[int] = None
+    device_uuid: Optional[str] = None
     group: Optional[str] = None
     run_dir: Optional[str] = None
     capability: Optional[float] = None
@@ -99,6 +104,7 @@ class Settings:
         return cls(
             device_type=env.get("KAITIAN_DEVICE_TYPE") or None,
             device_index=_int(env, "KAITIAN_DEVICE_INDEX", None),
+            device_uuid=env.get("KAITIAN_DEVICE_UUID") or None,
             group=env.get("KAITIAN_GROUP") or None,
             run_dir=env.get("KAITIAN_RUN_DIR") or None,
             capability=_float(env, "KAITIAN_CAPABILITY", None),

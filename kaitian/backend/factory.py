@@ -27,9 +27,46 @@ from kaitian.settings import Settings, settings
 from kaitian.devices.vendors import VENDORS
 from kaitian.errors import BackendSetupError
 
-__all__ = ["create_kaitian_backend", "BackendSetupError"]
+__all__ = ["create_kaitian_backend", "BackendSetupError", "INTRA_GAPS", "intra_gaps"]
 
 logger = logging.getLogger(__name__)
+
+
+# The routing table: what each intra-group backend cannot reduce (dtype names
+# and ReduceOp names). A reduction whose dtype or op is listed for a group skips
+# that group's vendor: its ranks take part in the bridge one by one, which
+# reduces every dtype and op. Data movement avoids only the listed dtypes (and
+# otherwise goes through the bridge anyway, unless one vendor group is the
+# whole world).
+INTRA_GAPS = {
+    # gloo's type switch has neither int16 nor bool.
+    "gloo": frozenset({"int16", "bool"}),
+    # NCCL has no int16 type and no bitwise ops; torch turns a bool SUM into MAX.
+    "nccl": frozenset({"int16", "bool", "BAND", "BOR", "BXOR"}),
+}
+
+
+def intra_gaps(device: str, intra_backend: str) -> frozenset:
+    """What a group's reductions must not ask of its vendor (see ``INTRA_GAPS``).
+
+    Args:
+        device: the group's device type (``cuda``, ``cpu``, ...).
+        intra_backend: the backend used inside the group (``nccl``, ``gloo``).
+
+    Returns:
+        Dtype and ReduceOp names. A device group's CPU tensors go through gloo,
+        and no other rank knows which device a group's tensors are on, so a
+        device group avoids gloo's gaps too (every rank must route alike). A
+        vendor not in the table is assumed to lack what NCCL lacks.
+    """
+    if device == "cpu":
+        return INTRA_GAPS["gloo"]
+    return INTRA_GAPS.get(intra_backend, INTRA_GAPS["nccl"]) | INTRA_GAPS["gloo"]
+
+
+def _group_intra_backend(device: str) -> str:
+    vendor = VENDORS.get(device)
+    return vendor.intra_backend if vendor is not None else "gloo"
 
 
 def _timeout_of(opts) -> timedelta:
@@ -175,6 +212,7 @@ def create_kaitian_backend(dist_opts, backend_options=None):
             spin_us=max(0, int(s.spin_us)),
             # Reductions go segment by segment (device copies overlap the bridge).
             segment_bytes=16 * max(4096, int(lead.chunk_bytes)),
+            vendor_gaps=[sorted(intra_gaps(d, _group_intra_backend(d))) for d in lay.group_device],
         )
     finally:
         # The file store was only the meeting point; dropping it on every rank
@@ -184,7 +222,6 @@ def create_kaitian_backend(dist_opts, backend_options=None):
             _remove_private_dir_later(store, run_dir, size, timeout)
         elif private:
             store.add("kaitian/run_dir_done", 1)
-    _pin(backend, device)
     logger.debug(
         "kaitian: rank %d/%d group %s (%d/%d), bridge %s, intra %s",
         rank, size, lay.group_names[g], group_rank, group_size, bridge,
@@ -205,16 +242,3 @@ def _remove_private_dir_later(store, path: str, size: int, timeout: timedelta) -
             time.sleep(0.002)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _pin(backend, device: str) -> None:
-    """Registers the bridge's host memory with the vendor runtime (DMA copies)."""
-    vendor = VENDORS.get(device)
-    if vendor is None or vendor.pin_host is None:
-        return
-    for ptr, nbytes in backend.bridge_regions():
-        try:
-            if not vendor.pin_host(ptr, nbytes):
-                logger.info("kaitian: could not pin %d bytes of bridge memory for %s", nbytes, device)
-        except Exception as exc:  # pinning is an optimisation, never fatal
-            logger.info("kaitian: pinning bridge memory failed: %s", exc)

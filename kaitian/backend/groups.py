@@ -7,14 +7,14 @@ same layout from the same records.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Dict, List
 
+from kaitian.devices.device import WorkerDevice
 from kaitian.settings import Settings
 from kaitian.errors import LayoutError
 
@@ -36,6 +36,11 @@ class RankInfo:
     intra: str = "auto"
     chunk_bytes: int = 1 << 20
     run_dir: str = ""
+
+    @property
+    def device(self) -> WorkerDevice:
+        """The rank's device in the devices vocabulary (``device_type``/``device_index`` on the wire)."""
+        return WorkerDevice(self.device_type, self.device_index, self.group)
 
     @property
     def node(self) -> tuple:
@@ -68,32 +73,18 @@ class Layout:
         return self.members[self.group_of[rank]].index(rank)
 
 
-def _infer_device(index_hint: Optional[int]) -> tuple:
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda", torch.cuda.current_device() if index_hint is None else index_hint
-    if importlib.util.find_spec("torch_mlu") is not None:
-        import torch_mlu  # noqa: F401
-
-        if torch.mlu.is_available():
-            return "mlu", torch.mlu.current_device() if index_hint is None else index_hint
-    return "cpu", 0 if index_hint is None else index_hint
-
-
 def local_rank_info(rank: int, s: Settings) -> RankInfo:
-    """This rank's record: group from ``KAITIAN_GROUP``, else the device type."""
-    if s.device_type:
-        device_type, index = s.device_type, s.device_index if s.device_index is not None else 0
-    else:
-        device_type, index = _infer_device(s.device_index)
+    """This rank's record: its device as :func:`kaitian.devices.rank.rank_device` says
+    (the launcher's, else inferred), group from ``KAITIAN_GROUP``, else the device type."""
     from kaitian.backend.shm_gc import pid_namespace
+    from kaitian.devices.rank import rank_device
 
+    dev = rank_device()
     return RankInfo(
         rank=rank,
-        group=s.group or device_type,
-        device_type=device_type,
-        device_index=index,
+        group=dev.group,
+        device_type=dev.type,
+        device_index=dev.index,
         host=socket.gethostname(),
         pid=os.getpid(),
         pid_ns=pid_namespace(),

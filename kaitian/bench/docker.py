@@ -118,6 +118,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     already created containers. This isolates the runtime's own cost from
     Python/torch start-up, which dominates (and blurs) the whole-job numbers."""
     from kaitian._torch import DefaultLogsSpecs, start_processes
+    from kaitian.devices.device import WorkerDevice
     from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
 
@@ -128,7 +129,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
                      options={"images": images})
     cores = sorted(os.sched_getaffinity(0))
     workers = {
-        r: WorkerLaunch(r, r, "cpu", r, f"cpu{r % args.groups}", (cores[r % len(cores)],), None)
+        r: WorkerLaunch(r, r, WorkerDevice("cpu", r, f"cpu{r % args.groups}"), (cores[r % len(cores)],), None)
         for r in range(args.nproc)
     }
     runtime = DockerRuntime(ctx)

@@ -30,7 +30,8 @@ from typing import Dict, List, Optional
 
 __all__ = ["main"]
 
-_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_worker.py")
+# The worker is this module (``--worker``), run by the launcher under test (bench convention).
+_WORKER = ["-m", "kaitian.bench.launch", "--worker"]
 _LAUNCHERS = {
     "kaitianrun": [sys.executable, "-m", "kaitian.launcher.cli"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
@@ -65,7 +66,7 @@ def _last_time(files: List[str]) -> float:
 
 def _one(launcher: str, flags: List[str], nproc: int, backend: str, recover: bool, timeout: float) -> float:
     with tempfile.TemporaryDirectory(prefix="kaitian-bench-launch-") as out:
-        cmd = [*_LAUNCHERS[launcher], *flags, _WORKER, out, "recover" if recover else "start", backend]
+        cmd = [*_LAUNCHERS[launcher], *flags, *_WORKER, out, "recover" if recover else "start", backend]
         start = time.time()
         proc = subprocess.Popen(cmd, env=_env(launcher, recover), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
@@ -91,8 +92,38 @@ def _one(launcher: str, flags: List[str], nproc: int, backend: str, recover: boo
                     proc.wait()
 
 
+def _worker(out: str, mode: str, backend: str) -> int:
+    """One rank: init, one allreduce, record when it completed (``recover``: on the
+    first attempt keep allreducing until the benchmark kills a peer)."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "kaitian":
+        import kaitian  # noqa: F401  registers the backend
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    done = time.time()
+    with open(os.path.join(out, f"pid.{restart}.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    with open(os.path.join(out, f"first.{restart}.{rank}.tmp"), "w") as f:
+        f.write(repr(done))
+    os.replace(os.path.join(out, f"first.{restart}.{rank}.tmp"), os.path.join(out, f"first.{restart}.{rank}"))
+    if mode == "recover" and restart == 0:
+        while True:  # until a peer is killed: the allreduce then fails and the agent restarts us
+            dist.all_reduce(t)
+            time.sleep(0.02)
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the benchmark and prints a table; returns 0 (1 if a target is missed with --check)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(*argv[1:4])
     parser = argparse.ArgumentParser(prog="kaitian bench launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="runs per launcher and measurement")
     parser.add_argument("--nproc", type=int, default=2, help="workers")
@@ -129,3 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{min(results['kaitianrun'][what]):>10.3f}{min(results['torchrun'][what]):>10.3f}")
     print("(torchrun recovery runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torch 2.13 hangs on restart)")
     return 0 if ok or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,10 +5,24 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from kaitian.devices.inventory import attach_capabilities, discover, format_table, parse_devices_flag, select
+from kaitian.devices.device import Device
+from kaitian.devices.inventory import discover, format_table, parse_devices_flag, select
 from kaitian.errors import KaitianError
 
 __all__ = ["main"]
+
+
+def attach_capabilities(devices: List[Device]) -> None:
+    """Fills in each device's measured capability from ``kaitian init``'s config, where known."""
+    from kaitian.training.capability import load_capabilities
+
+    try:
+        caps = load_capabilities()
+    except KaitianError:  # a broken config must not stop the inventory
+        return
+    for d in devices:
+        if d.key in caps:
+            d.capability = float(caps[d.key])
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -54,6 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("kaitian init: --seconds must be positive", file=sys.stderr)
         return 2
     from kaitian.devices.inventory import discover, format_table, parse_devices_flag, select
+    from kaitian.devices.rank import torch_device_of
 
     path = _config_path(args.config)
     try:
@@ -75,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.devices is None:
             # Measure the CPU slots too: a job may add them with USE_CPU.
             keys = {d.key for d in devices}
-            devices += [d for d in discover(args.cpu_slots) if d.vendor == "cpu" and d.key not in keys]
+            devices += [d for d in discover(args.cpu_slots) if d.type == "cpu" and d.key not in keys]
     except KaitianError as exc:
         print(f"kaitian init: {exc}", file=sys.stderr)
         return 2
@@ -85,9 +86,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         label = d.key
         show = _progress_printer(label, sys.stdout)
         show(0.0)
-        torch_device = "cpu" if d.vendor == "cpu" else f"{d.vendor}:{d.index}"
         try:
-            d.capability = measure_throughput(torch_device, d.cpus if d.vendor == "cpu" else (),
+            torch_device = torch_device_of(d.worker_device())  # physical index -> this process's ordinal
+            d.capability = measure_throughput(torch_device, d.cpus if d.type == "cpu" else (),
                                               args.seconds, show)
         except Exception as exc:  # one broken device must not stop the others
             print(f"\r  [{i}/{len(devices)}] {label:<12} failed: {exc}")

@@ -1,10 +1,16 @@
 """Which device this rank computes on, and seeding it.
 
 Under ``kaitianrun`` every worker gets ``KAITIAN_DEVICE_TYPE`` and
-``KAITIAN_DEVICE_INDEX`` (the host's index of its device). Under plain
-``torchrun`` (or ``mp.spawn``) nothing is set, and the rank falls back to what
-torch users expect: the ``LOCAL_RANK``-th accelerator if there is one, else the
-CPU.
+``KAITIAN_DEVICE_INDEX`` (the device's *physical* index on the host, as
+``kaitian devices`` and ``nvidia-smi`` number it; ``KAITIAN_DEVICE_UUID`` too
+where known). torch numbers what the worker can see from 0, so the ordinal is
+worked out from the worker's visibility (:func:`kaitian.devices.visible.torch_ordinal`).
+Under plain ``torchrun`` (or ``mp.spawn``) nothing is set, and the rank falls
+back to what torch users expect: the ``LOCAL_RANK``-th accelerator if there is
+one, else the CPU.
+
+:func:`rank_device` is the one answer to "which device is this rank on"; the
+backend's rank record and :func:`device` both use it.
 """
 
 from __future__ import annotations
@@ -12,20 +18,23 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
-from kaitian.settings import settings
+from kaitian.devices.device import WorkerDevice
 from kaitian.devices.vendors import VENDORS, vendor
+from kaitian.devices.visible import torch_ordinal
 
-__all__ = ["device", "set_device", "local_device_count", "manual_seed", "device_type"]
+__all__ = [
+    "device", "set_device", "local_device_count", "manual_seed", "device_type", "rank_device", "torch_device_of",
+]
 
 _log = logging.getLogger(__name__)
 
 
 def _accelerators() -> list:
-    """Vendors other than the CPU that have at least one device here."""
+    """Vendors other than the CPU that torch sees at least one device of in this process."""
     found = []
     for v in VENDORS.values():
         if v.name == "cpu":
@@ -38,47 +47,59 @@ def _accelerators() -> list:
     return found
 
 
+def rank_device(env: Optional[Mapping[str, str]] = None, rank: Optional[int] = None) -> WorkerDevice:
+    """This rank's device: the launcher's (``KAITIAN_DEVICE_*``), else inferred.
+
+    Inferred (no launcher): the first vendor in table order torch sees a device
+    of, device ``KAITIAN_DEVICE_INDEX`` if set, else ``rank % count`` (``rank``
+    defaults to ``LOCAL_RANK``); the index is then torch's ordinal, as nothing
+    physical is known. Else the CPU.
+
+    Raises:
+        UnknownVendorError: ``KAITIAN_DEVICE_TYPE`` names no known type.
+    """
+    env = os.environ if env is None else env
+    given = WorkerDevice.from_env(env)
+    if given is not None:
+        vendor(given.type)  # raises a clear error for an unknown type
+        return given
+    accelerators = _accelerators()
+    if not accelerators:
+        return WorkerDevice("cpu", 0, env.get("KAITIAN_GROUP") or "cpu")
+    v = accelerators[0]
+    if env.get("KAITIAN_DEVICE_INDEX"):
+        index = WorkerDevice.from_env({**env, "KAITIAN_DEVICE_TYPE": v.name}).index  # type: ignore[union-attr]
+    else:
+        index = (int(env.get("LOCAL_RANK", "0") or 0) if rank is None else rank) % max(1, v.count())
+    return WorkerDevice(v.name, index, env.get("KAITIAN_GROUP") or v.name)
+
+
+def torch_device_of(dev: WorkerDevice, env: Optional[Mapping[str, str]] = None) -> str:
+    """The torch device string for a device given by physical index, as this process sees it.
+
+    Raises:
+        DeviceSelectionError: this process cannot see the device.
+    """
+    v = vendor(dev.type)
+    if dev.type == "cpu":
+        return v.torch_device()
+    return v.torch_device(torch_ordinal(dev, v.visible_env, os.environ if env is None else env))
+
+
 def device_type() -> str:
     """This rank's vendor device type (``cuda``, ``mlu``, ``cpu``)."""
-    chosen = settings().device_type
-    if chosen:
-        vendor(chosen)  # raises a clear error for an unknown type
-        return chosen
-    accelerators = _accelerators()
-    return accelerators[0].name if accelerators else "cpu"
-
-
-def _visible_position(visible_env: Optional[str], host_index: int) -> int:
-    """Maps a host device index to the index torch sees under the visibility variable.
-
-    The launcher may hide all other devices (``CUDA_VISIBLE_DEVICES=3`` makes
-    the host's device 3 torch's ``cuda:0``).
-    """
-    if not visible_env:
-        return host_index
-    raw = os.environ.get(visible_env, "").strip()
-    if not raw:
-        return host_index
-    visible = [item.strip() for item in raw.split(",") if item.strip()]
-    if str(host_index) in visible:
-        return visible.index(str(host_index))
-    if len(visible) == 1:
-        return 0
-    return host_index
+    return rank_device().type
 
 
 def _torch_index(rank: Optional[int] = None) -> Optional[int]:
-    kind = device_type()
-    if kind == "cpu":
+    """This rank's torch ordinal (``None`` on the CPU)."""
+    env = os.environ
+    dev = rank_device(env, rank)
+    if dev.type == "cpu":
         return None
-    v = vendor(kind)
-    index = settings().device_index
-    if index is not None:
-        return _visible_position(v.visible_env, index)
-    if rank is None:
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
-    count = max(1, v.count())
-    return rank % count
+    if WorkerDevice.from_env(env) is None:
+        return dev.index  # inferred: already torch's ordinal
+    return torch_ordinal(dev, vendor(dev.type).visible_env, env)
 
 
 def device() -> torch.device:
@@ -87,8 +108,7 @@ def device() -> torch.device:
     Returns:
         ``cuda:i`` / ``mlu:i`` for an accelerator rank, ``cpu`` for a CPU slot.
     """
-    kind = device_type()
-    return torch.device(vendor(kind).torch_device(_torch_index()))
+    return torch.device(vendor(device_type()).torch_device(_torch_index()))
 
 
 def set_device(rank: Optional[int] = None) -> torch.device:

@@ -97,7 +97,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
 
     def _local_slots(self) -> List[Slot]:
         role = self._worker_group.spec.role
-        return [Slot(p.vendor, p.index, p.group, role) for p in self._plans]
+        return [Slot(p.device, role) for p in self._plans]
 
     def _assign_worker_ranks(
         self, store, group_rank: int, group_world_size: int, spec: "_te.WorkerSpec"
@@ -196,13 +196,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
         return env
 
     def _kaitian_env(self, plan: WorkerPlan, start_dir: str) -> Dict[str, str]:
-        env = {
-            "KAITIAN_DEVICE_TYPE": plan.vendor,
-            "KAITIAN_DEVICE_INDEX": str(plan.index),
-            "KAITIAN_RUN_DIR": start_dir,
-        }
-        if plan.explicit_group:
-            env["KAITIAN_GROUP"] = plan.group
+        env = {**plan.device.to_env(), "KAITIAN_RUN_DIR": start_dir}
         if plan.key in self._capabilities:
             env["KAITIAN_CAPABILITY"] = repr(float(self._capabilities[plan.key]))
         if self._monitor_dir:
@@ -211,7 +205,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
             env["OMP_NUM_THREADS"] = str(plan.omp_threads)
         if plan.hide_other_vendors:
             for v in _vendors.VENDORS.values():
-                if v.visible_env and v.name != plan.vendor:
+                if v.visible_env and v.name != plan.device.type:
                     env[v.visible_env] = ""
         return env
 
@@ -269,14 +263,15 @@ class KaitianAgent(_te.SimpleElasticAgent):
             plan = self._plans[local_rank]
             env = self._torchrun_env(worker_group, worker, restart_count)
             env.update(self._kaitian_env(plan, start_dir))
+            if spec.virtual_local_rank and plan.device.type == "cuda":
+                # torchrun shows worker i the i-th GPU; kaitian shows it its planned one
+                env["CUDA_VISIBLE_DEVICES"] = plan.device.uuid or str(plan.device.index)
             envs[local_rank] = env
             args[local_rank] = tuple(_te.macros.substitute(list(spec.args), str(local_rank)))
             launches[local_rank] = WorkerLaunch(
                 local_rank=local_rank,
                 global_rank=worker.global_rank,
-                device_type=plan.vendor,
-                device_index=plan.index,
-                group=plan.group,
+                device=plan.device,
                 cpus=plan.cpus,
                 cpu_quota=plan.cpu_quota,
             )
@@ -284,8 +279,8 @@ class KaitianAgent(_te.SimpleElasticAgent):
                 "rank": worker.global_rank,
                 "local_rank": local_rank,
                 "role_name": spec.role,
-                "group": plan.group,
-                "vendor": plan.vendor,
+                "group": plan.device.group,
+                "vendor": plan.device.type,
             }
 
         self._setup_watchdog(envs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+from kaitian.devices.device import WorkerDevice
 from kaitian.devices.vendors import vendor_names
 
 __all__ = ["Slot", "Placement", "lay_out"]
@@ -21,23 +22,20 @@ class Slot:
     """What one local worker of a node runs on (one entry of a node's inventory).
 
     Attributes:
-        vendor: device type.
-        index: the host's device index (CPU: slot index).
-        group: kaitian group name (``KAITIAN_GROUP``; the vendor when not simulated).
+        device: its device and kaitian group.
         role: torchelastic role of the worker.
     """
 
-    vendor: str
-    index: int
-    group: str
+    device: WorkerDevice
     role: str
 
     def to_json(self) -> list:
-        return [self.vendor, self.index, self.group, self.role]
+        """``[type, index, group, role]``, the inventory's wire form."""
+        return [*self.device.to_json(), self.role]
 
     @classmethod
     def from_json(cls, raw: Sequence) -> "Slot":
-        return cls(str(raw[0]), int(raw[1]), str(raw[2]), str(raw[3]))
+        return cls(WorkerDevice(str(raw[0]), int(raw[1]), str(raw[2])), str(raw[3]))
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,8 @@ def lay_out(inventories: Sequence[Sequence[Slot]]) -> Dict[Tuple[int, int], Plac
     workers: List[Tuple[Tuple, int, int, Slot]] = []
     for group_rank, slots in enumerate(inventories):
         for local_rank, slot in enumerate(slots):
-            key = (_order(slot.vendor), slot.vendor, slot.group, group_rank, local_rank)
+            dev = slot.device
+            key = (_order(dev.type), dev.type, dev.group, group_rank, local_rank)
             workers.append((key, group_rank, local_rank, slot))
     workers.sort(key=lambda w: w[0])
     world = len(workers)

@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kaitian.devices.inventory import Device, discover, parse_devices_flag, select
+from kaitian.devices.device import Device, WorkerDevice
+from kaitian.devices.inventory import discover, parse_devices_flag, select
 from kaitian.errors import PlanError
 
 __all__ = ["WorkerPlan", "PlanError", "parse_cpu_quota", "plan_workers"]
@@ -28,21 +29,15 @@ class WorkerPlan:
     """One local worker's device and limits.
 
     Attributes:
-        vendor: device type.
-        index: the host's device index (CPU: slot index).
-        group: kaitian group (``cpu0`` … for simulated groups, else the vendor).
-        explicit_group: whether ``KAITIAN_GROUP`` is set for the worker.
+        device: its device (physical index; CPU: slot index) and kaitian
+            group (``cpu0`` … for simulated groups, else the device type).
         cpus: cores to pin the worker to (empty: not pinned).
         cpu_quota: the group's CPU time in cores, or ``None``.
         omp_threads: ``OMP_NUM_THREADS`` for the worker (``None``: torchrun's rule).
         hide_other_vendors: set other vendors' visibility variables empty.
-        key: the device's key for capability lookup (``cuda:0``).
     """
 
-    vendor: str
-    index: int
-    group: str
-    explicit_group: bool = False
+    device: WorkerDevice
     cpus: Tuple[int, ...] = ()
     cpu_quota: Optional[float] = None
     omp_threads: Optional[int] = None
@@ -50,7 +45,8 @@ class WorkerPlan:
 
     @property
     def key(self) -> str:
-        return f"{self.vendor}:{self.index}"
+        """The device's key for capability lookup (``cuda:0``)."""
+        return self.device.key
 
 
 def parse_cpu_quota(raw: Optional[str]) -> Optional[List[float]]:
@@ -103,8 +99,9 @@ def plan_workers(
         cpu_slots: ``--cpu-slots``.
         cpu_groups: ``--cpu-groups``.
         cpu_quota: ``--cpu-quota`` values (one, or one per CPU group).
-        env: environment holding ``USE_<VENDOR>`` (default ``os.environ``).
-        devices: the inventory (default: discovered, fast path).
+        env: environment holding ``USE_<VENDOR>`` and the host's visibility
+            variables (default ``os.environ``).
+        devices: the inventory (default: discovered, physical indices).
 
     Returns:
         One plan per local rank.
@@ -114,23 +111,23 @@ def plan_workers(
         PlanError: inconsistent kaitian flags.
     """
     if devices is None:
-        devices = discover(cpu_slots, detail=False)
+        devices = discover(cpu_slots, env=env)
     flag = parse_devices_flag(devices_flag) if devices_flag else None
     selected = select(devices, env=env, flag=flag)
-    accels = [d for d in selected if d.vendor != "cpu"]
+    accels = [d for d in selected if d.type != "cpu"]
 
     if nproc_auto:
-        chosen: List[Tuple[str, int, Tuple[int, ...]]] = [(d.vendor, d.index, d.cpus) for d in selected]
+        chosen: List[Device] = list(selected)
         pinned = True
     else:
         n = int(nproc_per_node or 1)
         if accels:
-            chosen = [(accels[i % len(accels)].vendor, accels[i % len(accels)].index, ()) for i in range(n)]
+            chosen = [accels[i % len(accels)] for i in range(n)]
         else:
-            chosen = [("cpu", i, ()) for i in range(n)]
+            chosen = [Device("cpu", i, "CPU") for i in range(n)]
         pinned = False
 
-    cpu_positions = [i for i, c in enumerate(chosen) if c[0] == "cpu"]
+    cpu_positions = [i for i, c in enumerate(chosen) if c.type == "cpu"]
     if cpu_groups is not None and not cpu_positions:
         raise PlanError(f"--cpu-groups {cpu_groups}: no CPU worker selected on this node (set USE_CPU)")
     group_names = _groups_for(len(cpu_positions), cpu_groups)
@@ -142,21 +139,19 @@ def plan_workers(
     group_of: Dict[int, Optional[str]] = dict(zip(cpu_positions, group_names))
 
     plans: List[WorkerPlan] = []
-    for i, (vendor_name, index, cpus) in enumerate(chosen):
+    for i, dev in enumerate(chosen):
         group = group_of.get(i)
         quota = None
-        if vendor_name == "cpu" and cpu_quota is not None:
+        is_cpu = dev.type == "cpu"
+        if is_cpu and cpu_quota is not None:
             g = int(re.sub(r"\D", "", group) or 0) if group else 0
             quota = cpu_quota[g] if len(cpu_quota) > 1 else cpu_quota[0]
         plans.append(
             WorkerPlan(
-                vendor=vendor_name,
-                index=index,
-                group=group or vendor_name,
-                explicit_group=group is not None,
-                cpus=tuple(cpus) if pinned and vendor_name == "cpu" else (),
+                device=dev.worker_device(group),
+                cpus=tuple(dev.cpus) if pinned and is_cpu else (),
                 cpu_quota=quota,
-                omp_threads=len(cpus) if pinned and vendor_name == "cpu" and cpus else None,
+                omp_threads=len(dev.cpus) if pinned and is_cpu and dev.cpus else None,
                 hide_other_vendors=nproc_auto,
             )
         )

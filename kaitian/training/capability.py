@@ -174,7 +174,7 @@ def measure_throughput(
 
 def _device_entry(device) -> dict:
     """A device as a TOML table (TOML has no null: unknown fields are left out)."""
-    entry = {"vendor": device.vendor, "index": device.index, "name": device.name}
+    entry = {"vendor": device.type, "index": device.index, "name": device.name}
     for field_name in ("memory_bytes", "bus_id", "link"):
         value = getattr(device, field_name, None)
         if value is not None:

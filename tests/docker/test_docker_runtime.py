@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from support import REPO, TESTS, worker
 from support.docker import TEST_IMAGE, engine, kaitian_containers, test_image
+from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
 from kaitian.launcher.runtimes.docker.runtime import (
     DockerRuntime,
@@ -70,7 +71,7 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
             "PATH": "/host-only-marker:" + os.environ["PATH"],
             "PYTHONPATH": f"{REPO}:{TESTS}",
             "RANK": str(w.global_rank), "LOCAL_RANK": str(r), "WORLD_SIZE": str(len(workers)),
-            "KAITIAN_GROUP": w.group, "KAITIAN_DEVICE_TYPE": w.device_type,
+            "KAITIAN_GROUP": w.device.group, "KAITIAN_DEVICE_TYPE": w.device.type,
             "TORCHELASTIC_RUN_ID": rt.ctx.run_id, "TORCHELASTIC_RESTART_COUNT": "0",
             "DOCKER_TEST_MODE": mode, "DOCKER_TEST_OUT": str(out),
             "JOB_VARIABLE": f"passed-{r}",
@@ -80,7 +81,7 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
     pc = rt.start(
         name="trainer", entrypoint=sys.executable,
         args={r: ("-u", WORKER) for r in workers}, envs=envs, logs_specs=logs,
-        log_line_prefixes={r: f"[{w.group}]:{r}: " for r, w in workers.items()},
+        log_line_prefixes={r: f"[{w.device.group}]:{r}: " for r, w in workers.items()},
         start_method="spawn", workers=workers,
     )
     return pc, out
@@ -88,8 +89,8 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
 
 def _two_groups(quota=None):
     return {
-        0: WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None),
-        1: WorkerLaunch(1, 1, "cpu", 1, "cpu1", (1,), quota),
+        0: WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None),
+        1: WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "cpu1"), (1,), quota),
     }
 
 
@@ -329,7 +330,7 @@ def test_cuda_group_requests_exactly_its_gpu_from_the_engine(run, tmp_path):
     without the NVIDIA toolkit (CI) that fails at start, cleanly, saying what to
     install; with it, the container carries exactly the selected GPU."""
     rt = run(images={"cuda": TEST_IMAGE})
-    workers = {0: WorkerLaunch(0, 0, "cuda", 0, "cuda")}
+    workers = {0: WorkerLaunch(0, 0, WorkerDevice("cuda", 0, "cuda"))}
     if "nvidia" not in (engine().info().get("Runtimes") or {}):
         with pytest.raises(DockerRuntimeError) as err:
             _start(rt, tmp_path, workers, "env")

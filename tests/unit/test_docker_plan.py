@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from kaitian.devices.device import WorkerDevice
+from kaitian.errors import DeviceSelectionError
 from kaitian.launcher.runtimes.base import WorkerLaunch
 from kaitian.launcher.runtimes.docker.plan import (
     LABEL_AGENT_PID,
@@ -39,7 +41,7 @@ AGENT = AgentIdentity(host="node0", pid=4242, start="12345")
 
 def _plan(workers, *, options=DockerOptions(), log_dirs=("/logs",), **kw):
     return plan_container(
-        group=workers[0].group,
+        group=workers[0].device.group,
         workers=workers,
         image=kw.pop("image", "kaitian:cpu"),
         run_id="run-1",
@@ -86,8 +88,8 @@ def test_image_for_prefers_group_then_vendor_then_table():
 
 def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     workers = [
-        WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0, 1), 1.5),
-        WorkerLaunch(1, 1, "cpu", 1, "cpu0", (2, 3), 1.5),
+        WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0, 1), 1.5),
+        WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "cpu0"), (2, 3), 1.5),
     ]
     plan = _plan(workers)
     kw = plan.create_kwargs()
@@ -112,13 +114,13 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
 
 
 def test_unpinned_workers_leave_container_unpinned():
-    plan = _plan([WorkerLaunch(0, 0, "cpu", 0, "cpu", (), None)])
+    plan = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu"), (), None)])
     kw = plan.create_kwargs()
     assert "cpuset_cpus" not in kw and "cpu_quota" not in kw
 
 
 def test_cuda_group_gets_exactly_its_gpus_and_renumbered_visibility():
-    workers = [WorkerLaunch(0, 0, "cuda", 3, "cuda"), WorkerLaunch(1, 1, "cuda", 1, "cuda")]
+    workers = [WorkerLaunch(0, 0, WorkerDevice("cuda", 3, "cuda")), WorkerLaunch(1, 1, WorkerDevice("cuda", 1, "cuda"))]
     plan = _plan(workers, image="kaitian:cuda")
     kw = plan.create_kwargs()
     assert kw["device_requests"] == [{"driver": "nvidia", "device_ids": ["1", "3"], "capabilities": [["gpu"]]}]
@@ -131,23 +133,23 @@ def test_cuda_group_gets_exactly_its_gpus_and_renumbered_visibility():
 def test_mlu_group_gets_control_and_selected_device_nodes():
     present = ["/dev/cambricon_ctl", "/dev/cambricon_dev0", "/dev/cambricon_dev1",
                "/dev/cambricon_ipcm0", "/dev/cambricon_ipcm1"]
-    plan = _plan([WorkerLaunch(0, 0, "mlu", 1, "mlu")], image="kaitian:mlu", device_nodes=present)
+    plan = _plan([WorkerLaunch(0, 0, WorkerDevice("mlu", 1, "mlu"))], image="kaitian:mlu", device_nodes=present)
     assert plan.devices == ("/dev/cambricon_ctl:/dev/cambricon_ctl:rwm",
                             "/dev/cambricon_dev1:/dev/cambricon_dev1:rwm",
                             "/dev/cambricon_ipcm1:/dev/cambricon_ipcm1:rwm")
-    with pytest.raises(DockerOptionError, match="cambricon_dev2"):
-        _plan([WorkerLaunch(0, 0, "mlu", 2, "mlu")], device_nodes=present)
+    with pytest.raises(DeviceSelectionError, match="cambricon_dev2"):
+        _plan([WorkerLaunch(0, 0, WorkerDevice("mlu", 2, "mlu"))], device_nodes=present)
 
 
 def test_group_must_be_one_vendor_and_one_quota():
     with pytest.raises(DockerOptionError, match="mixes"):
-        _plan([WorkerLaunch(0, 0, "cpu", 0, "g"), WorkerLaunch(1, 1, "cuda", 0, "g")])
+        _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "g")), WorkerLaunch(1, 1, WorkerDevice("cuda", 0, "g"))])
     with pytest.raises(DockerOptionError, match="quotas"):
-        _plan([WorkerLaunch(0, 0, "cpu", 0, "g", (0,), 1.0), WorkerLaunch(1, 1, "cpu", 1, "g", (1,), 2.0)])
+        _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "g"), (0,), 1.0), WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "g"), (1,), 2.0)])
 
 
 def test_user_volumes_and_image_mounts_and_spec_hash():
-    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     base = _plan(w)
     user = _plan(w, options=DockerOptions(volumes=(Mount("/data", "/data", True),)),
                  image_mounts=(Mount("/usr", "/usr", True),))
@@ -159,7 +161,7 @@ def test_user_volumes_and_image_mounts_and_spec_hash():
 
 
 def test_keep_containers_are_named_by_shape_not_run():
-    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     kept = _plan(w, options=DockerOptions(keep_containers=True))
     assert kept.labels[LABEL_KEEP] == "1"
     assert kept.name == f"kaitian-cpu0-{kept.spec[:12]}"
@@ -167,7 +169,7 @@ def test_keep_containers_are_named_by_shape_not_run():
 
 
 def test_plan_exec_maps_host_python_and_keeps_job_env():
-    w = WorkerLaunch(1, 5, "cpu", 1, "cpu1", (2, 3), None)
+    w = WorkerLaunch(1, 5, WorkerDevice("cpu", 1, "cpu1"), (2, 3), None)
     container = _plan([w])
     env = {"PATH": "/h", "LD_LIBRARY_PATH": "/h/lib", "RANK": "5", "KAITIAN_GROUP": "cpu1",
            "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500", "PYENV_VERSION": "3.11"}
@@ -241,7 +243,7 @@ def test_wrapper_records_pid_pins_and_makes_a_process_group(tmp_path):
 
 
 def test_directories_inside_mounted_ones_are_not_mounted_again():
-    w = [WorkerLaunch(0, 0, "cpu", 0, "cpu0", (0,), None)]
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     plan = _plan(w, log_dirs=("/tmp/kaitian-0/run.123/logs", "/var/log/job"))
     targets = [m.target for m in plan.mounts]
     assert targets == ["/home/u/proj", "/tmp/kaitian-0", "/var/log/job"]

@@ -24,6 +24,7 @@ from kaitian.devices.inventory import (  # noqa: E402
     parse_devices_flag,
     select,
 )
+from kaitian.devices.device import WorkerDevice  # noqa: E402
 from kaitian.launcher.placement import Slot, lay_out  # noqa: E402
 from kaitian.launcher.logs import build_logs_specs, line_prefixes  # noqa: E402
 from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers  # noqa: E402
@@ -50,7 +51,7 @@ def _keys(devices):
 
 
 def test_layout_homogeneous_is_torchruns():
-    inv = [[Slot("cpu", i, "cpu", "default") for i in range(3)] for _ in range(2)]
+    inv = [[Slot(WorkerDevice("cpu", i, "cpu"), "default") for i in range(3)] for _ in range(2)]
     placements = lay_out(inv)
     for (node, local), p in placements.items():
         assert p.global_rank == node * 3 + local  # torchrun: node offset + local rank
@@ -58,8 +59,8 @@ def test_layout_homogeneous_is_torchruns():
 
 
 def test_layout_groups_by_vendor_across_nodes():
-    node0 = [Slot("cpu", 0, "cpu0", "r"), Slot("cpu", 1, "cpu1", "r")]
-    node1 = [Slot("cpu", 0, "cpu0", "r"), Slot("cuda", 0, "cuda", "r"), Slot("cpu", 1, "cpu1", "r")]
+    node0 = [Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
+    node1 = [Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cuda", 0, "cuda"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
     p = lay_out([node0, node1])
     order = sorted(p, key=lambda k: p[k].global_rank)
     assert order == [(1, 1), (0, 0), (1, 0), (0, 1), (1, 2)]  # cuda, then cpu0, then cpu1
@@ -125,10 +126,10 @@ def test_plan_nproc_auto_groups_and_quota():
     cpu4 = [Device("cpu", i, "c", cpus=(i,)) for i in range(4)]
     plans = plan_workers(nproc_auto=True, nproc_per_node=None, cpu_groups=2, cpu_quota=[0.5, 2.0],
                          env={}, devices=cpu4)
-    assert [p.group for p in plans] == ["cpu0", "cpu0", "cpu1", "cpu1"]
+    assert [p.device.group for p in plans] == ["cpu0", "cpu0", "cpu1", "cpu1"]
     assert [p.cpu_quota for p in plans] == [0.5, 0.5, 2.0, 2.0]
     assert [p.cpus for p in plans] == [(0,), (1,), (2,), (3,)]
-    assert all(p.explicit_group and p.omp_threads == 1 for p in plans)
+    assert all(p.device.explicit_group and p.omp_threads == 1 for p in plans)
 
 
 def test_plan_nproc_per_node_keeps_torchrun_meaning():
@@ -137,7 +138,7 @@ def test_plan_nproc_per_node_keeps_torchrun_meaning():
     plans = plan_workers(nproc_auto=False, nproc_per_node=3, env={"USE_CUDA": "-1", "USE_MLU": "-1"},
                          devices=HOST)
     assert [p.key for p in plans] == ["cpu:0", "cpu:1", "cpu:2"]
-    assert all(p.cpus == () and p.omp_threads is None and not p.explicit_group for p in plans)
+    assert all(p.cpus == () and p.omp_threads is None and not p.device.explicit_group for p in plans)
 
 
 def test_plan_errors():
@@ -174,7 +175,7 @@ def test_logs_specs_tee_what_is_not_redirected(tmp_path):
 def test_exchange_inventory_between_nodes():
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=10))
-    slots = {0: [Slot("cpu", 0, "cpu0", "r")], 1: [Slot("cuda", 1, "cuda", "r"), Slot("cpu", 0, "cpu", "r")]}
+    slots = {0: [Slot(WorkerDevice("cpu", 0, "cpu0"), "r")], 1: [Slot(WorkerDevice("cuda", 1, "cuda"), "r"), Slot(WorkerDevice("cpu", 0, "cpu"), "r")]}
     results = {}
 
     def node(rank):
@@ -187,13 +188,13 @@ def test_exchange_inventory_between_nodes():
         t.join(15)
     assert results[0] == results[1] == [slots[0], slots[1]]
     # a second round on the same store never returns the first round's inventory
-    slots[0] = [Slot("cpu", 1, "cpu1", "r")]
+    slots[0] = [Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
     threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(15)
-    assert results[0][0] == [Slot("cpu", 1, "cpu1", "r")]
+    assert results[0][0] == [Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
 
 
 def test_entry_point_matches_torch_loader():
@@ -215,7 +216,7 @@ def test_kaitian_rendezvous_single_node():
     )
     handler = te.get_rendezvous_handler(params)
     assert isinstance(handler, KaitianRendezvousHandler) and handler.get_backend() == "kaitian"
-    handler.local_slots = [Slot("cpu", 0, "cpu0", "default"), Slot("cpu", 1, "cpu1", "default")]
+    handler.local_slots = [Slot(WorkerDevice("cpu", 0, "cpu0"), "default"), Slot(WorkerDevice("cpu", 1, "cpu1"), "default")]
     try:
         info = handler.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
@@ -238,14 +239,14 @@ def test_cuda_discovery_from_nvidia_smi(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    cuda = [d for d in discover(detail=True) if d.vendor == "cuda"]
+    cuda = [d for d in discover(detail=True) if d.type == "cuda"]
     assert [d.key for d in cuda] == ["cuda:0", "cuda:1"]
     assert cuda[1].name == "NVIDIA H100 80GB HBM3" and cuda[1].memory_bytes == 81559 << 20
-    assert cuda[1].bus_id == "00000000:3b:00.0" and cuda[1].link == "PCIe5 x16"
-    # torch renumbers what CUDA_VISIBLE_DEVICES shows; so does discovery
+    assert cuda[1].bus_id == "0000:3b:00.0" and cuda[1].link == "PCIe5 x16"  # the kernel's form
+    # CUDA_VISIBLE_DEVICES hides devices; the others keep their physical index
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    cuda = [d for d in discover(detail=True) if d.vendor == "cuda"]
-    assert [(d.key, d.bus_id) for d in cuda] == [("cuda:0", "00000000:3b:00.0")]
+    cuda = [d for d in discover(detail=True) if d.type == "cuda"]
+    assert [(d.key, d.bus_id) for d in cuda] == [("cuda:1", "0000:3b:00.0")]
     table = format_table(cuda)
     assert "79.6 GiB" in table and "PCIe5 x16" in table
 

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
 
+from kaitian.devices.device import WorkerDevice
+
 __all__ = ["WorkerLaunch", "RunContext", "Runtime"]
 
 
@@ -24,9 +26,8 @@ class WorkerLaunch:
     Attributes:
         local_rank: rank on this node.
         global_rank: rank in the world.
-        device_type: vendor device type (``cuda``, ``mlu``, ``cpu``).
-        device_index: the device's index on this host (CPU: the slot index).
-        group: the worker's kaitian group (``KAITIAN_GROUP``); one container per group.
+        device: the worker's device (physical index; CPU: the slot index) and
+            kaitian group (``KAITIAN_GROUP``); one container per group.
         cpus: cores the worker is pinned to (empty: no pinning).
         cpu_quota: CPU time the worker's group may use, in cores (``None``: no
             limit). Used to simulate slower devices on a CPU-only host.
@@ -34,9 +35,7 @@ class WorkerLaunch:
 
     local_rank: int
     global_rank: int
-    device_type: str
-    device_index: Optional[int]
-    group: str
+    device: WorkerDevice
     cpus: Tuple[int, ...] = ()
     cpu_quota: Optional[float] = None
 

@@ -86,7 +86,7 @@ class LocalRuntime(Runtime):
         by_group: Dict[str, List[WorkerLaunch]] = {}
         for launch in workers.values():
             if launch.cpu_quota is not None:
-                by_group.setdefault(launch.group, []).append(launch)
+                by_group.setdefault(launch.device.group, []).append(launch)
         if not by_group:
             return
         if self._quota_mode() == "cgroup":

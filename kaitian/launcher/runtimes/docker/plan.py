@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from kaitian.devices.container import container_devices
 from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS
 from kaitian.errors import (
@@ -43,7 +44,6 @@ __all__ = [
     "image_for",
     "plan_container",
     "plan_exec",
-    "container_index_map",
     "worker_env",
     "stop_command",
     "exit_code_from_docker",
@@ -162,6 +162,8 @@ class ContainerPlan:
             the engine's default); see ``plan_container``.
         shm_size: ``--shm-size``.
         index_map: host device index -> index seen inside the container.
+        device_env: what every worker inside needs to see its devices
+            (:func:`kaitian.devices.container.container_devices`).
         spec: hash of everything above that shapes the container, so a
             container is reused only when it matches.
     """
@@ -180,6 +182,7 @@ class ContainerPlan:
     cgroup_parent: Optional[str] = None
     shm_size: str = "2g"
     index_map: Mapping[int, int] = field(default_factory=dict)
+    device_env: Mapping[str, str] = field(default_factory=dict)
     spec: str = ""
 
     CPU_PERIOD_US = 100_000
@@ -318,29 +321,6 @@ def image_for(group: str, vendor: str, images: Mapping[str, str]) -> str:
         ) from None
 
 
-def container_index_map(indices: Iterable[Optional[int]]) -> Dict[int, int]:
-    """Host device index -> index inside a container that sees only these devices.
-
-    Device runtimes number the devices a container can see from 0 in host order.
-    """
-    return {host: i for i, host in enumerate(sorted({x for x in indices if x is not None}))}
-
-
-def _mlu_device_nodes(indices: Sequence[int], present: Iterable[str]) -> Tuple[str, ...]:
-    """Cambricon device nodes for the selected MLUs: control node, cards, IPC nodes."""
-    present = set(present)
-    wanted = ["/dev/cambricon_ctl"]
-    for i in indices:
-        wanted += [f"/dev/cambricon_dev{i}", f"/dev/cambricon_ipcm{i}", f"/dev/ipcm{i}"]
-    missing = [p for p in wanted[:1] + [f"/dev/cambricon_dev{i}" for i in indices] if p not in present]
-    if missing:
-        raise DockerOptionError(
-            f"MLU device node(s) {', '.join(missing)} not found on this host; "
-            "check the Cambricon driver (cnmon) or select other MLUs with USE_MLU"
-        )
-    return tuple(f"{p}:{p}:rwm" for p in wanted if p in present)
-
-
 def _sanitize(text: str) -> str:
     return _NAME_UNSAFE.sub("-", text).strip("-.") or "x"
 
@@ -385,23 +365,17 @@ def plan_container(
         The container plan.
 
     Raises:
-        DockerOptionError: the group mixes device types or a device is missing.
+        DockerOptionError: the group mixes device types or CPU quotas.
+        DeviceSelectionError: a device the container needs is missing on this host.
     """
-    vendors = {w.device_type for w in workers}
+    vendors = {w.device.type for w in workers}
     if len(vendors) != 1:
         raise DockerOptionError(f"group {group!r} mixes device types {sorted(vendors)}; one vendor per group")
     vendor = vendors.pop()
-    indices = [w.device_index for w in workers if w.device_index is not None]
-
-    gpu_ids: Tuple[str, ...] = ()
-    devices: Tuple[str, ...] = ()
-    index_map: Dict[int, int] = {}
-    if vendor == "cuda":
-        gpu_ids = tuple(str(i) for i in sorted(set(indices)))
-        index_map = container_index_map(indices)
-    elif vendor == "mlu":
-        devices = _mlu_device_nodes(sorted(set(indices)), device_nodes)
-        index_map = container_index_map(indices)
+    seen = container_devices(vendor, [w.device for w in workers], device_nodes)
+    gpu_ids = tuple(str(i) for r in seen.device_requests for i in r["device_ids"])  # type: ignore[attr-defined]
+    devices = seen.device_nodes
+    index_map = dict(seen.index_map)
 
     all_cpus = [c for w in workers for c in w.cpus]
     # Pin the container only when every worker is pinned; otherwise leave it free.
@@ -468,6 +442,7 @@ def plan_container(
         cpu_shares=1024 * max(1, len(workers)),
         cgroup_parent=cgroup_parent,
         index_map=index_map,
+        device_env=dict(seen.env),
         spec=spec,
     )
 
@@ -542,7 +517,10 @@ def plan_exec(
         local_rank=worker.local_rank,
         group=container.group,
         cmd=cmd,
-        env=worker_env(env, vendor=container.vendor, index_map=container.index_map, mounted=mounted),
+        env={
+            **worker_env(env, vendor=container.vendor, index_map=container.index_map, mounted=mounted),
+            **container.device_env,
+        },
         workdir=cwd,
         user=user,
         pid_file=pid_file,

@@ -270,7 +270,7 @@ class DockerRuntime(Runtime):
         client = self.client
         # Check images before anything is started, so a missing one fails alone.
         for w in workers.values():
-            self._image(image_for(w.group, w.device_type, self.options.images))
+            self._image(image_for(w.device.group, w.device.type, self.options.images))
 
         def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecPlan, str]]:
             return self._prepare(pc, entrypoint, workers, logs_specs)
@@ -422,14 +422,14 @@ class DockerRuntime(Runtime):
     ) -> Dict[int, Tuple[ExecPlan, str]]:
         groups: Dict[str, List[WorkerLaunch]] = {}
         for rank in sorted(workers):
-            groups.setdefault(workers[rank].group, []).append(workers[rank])
+            groups.setdefault(workers[rank].device.group, []).append(workers[rank])
         log_dirs = self._log_dirs(pc, logs_specs)
         run_mount = self._mount_dir(self.ctx.run_dir)
         device_nodes = glob.glob("/dev/cambricon*") + glob.glob("/dev/ipcm*")
         plans: Dict[str, ContainerPlan] = {}
         pythons: Dict[str, str] = {}
         for group, members in groups.items():
-            ref = image_for(group, members[0].device_type, self.options.images)
+            ref = image_for(group, members[0].device.type, self.options.images)
             mounts, python = self._image(ref)
             plans[group] = plan_container(
                 group=group,
@@ -455,7 +455,7 @@ class DockerRuntime(Runtime):
         user = f"{os.getuid()}:{os.getgid()}"
         out: Dict[int, Tuple[ExecPlan, str]] = {}
         for rank, w in workers.items():
-            plan = plans[w.group]
+            plan = plans[w.device.group]
             ex = plan_exec(
                 worker=w,
                 container=plan,
@@ -468,9 +468,9 @@ class DockerRuntime(Runtime):
                 pid_file=os.path.join(pid_dir, f"{rank}.pid"),
                 user=user,
                 host_python=sorted(host_python),
-                image_python=pythons[w.group],
+                image_python=pythons[w.device.group],
             )
-            out[rank] = (ex, self._containers[w.group])
+            out[rank] = (ex, self._containers[w.device.group])
         return out
 
     def _ensure(self, plan: ContainerPlan) -> str:
