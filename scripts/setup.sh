@@ -70,9 +70,12 @@ WANT="torch $TORCH in $VENV_ABS"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   rm -f kaitian/_C*.so
 fi
-log "building kaitian's C++ extension against torch $TORCH"
-"$VPY" setup.py -q build_ext --inplace --build-temp "build/$(basename "$VENV_ABS")" ||
-  die "the C++ extension did not build (output above)"
+BUILD_LOG="$VENV_ABS/kaitian-build.log"
+log "building kaitian's C++ extension against torch $TORCH (log: $BUILD_LOG)"
+if ! "$VPY" setup.py build_ext --inplace --build-temp "build/$(basename "$VENV_ABS")" > "$BUILD_LOG" 2>&1; then
+  tail -n 40 "$BUILD_LOG" >&2
+  die "the C++ extension did not build (the end of $BUILD_LOG is above)"
+fi
 echo "$WANT" > "$STAMP"
 "$VPY" -c 'import kaitian._C' || die "kaitian._C does not import in $VENV (see the build output above)"
 log "ready: $VENV (run things with $VENV/bin/python, or: source $VENV/bin/activate)"
