@@ -151,6 +151,49 @@ void checkSameKind(const char* op, const at::Tensor& ref, const at::Tensor& t,
               ": sparse tensors are not supported; call .to_dense() first");
 }
 
+// The identity of an op as every rank must agree on it (see OpId).
+OpId makeId(OpType type, int32_t dtype, int64_t bytes, int64_t root, int32_t redop) {
+  OpId id;
+  id.type = static_cast<int32_t>(type);
+  id.dtype = dtype;
+  id.bytes = bytes;
+  id.root = root;
+  id.redop = redop;
+  return id;
+}
+OpId opId(OpType type) { return makeId(type, -1, 0, -1, -1); }
+OpId opId(OpType type, at::ScalarType dtype, int64_t bytes) {
+  return makeId(type, static_cast<int32_t>(dtype), bytes, -1, -1);
+}
+OpId opId(OpType type, const at::Tensor& t, int64_t root = -1) {
+  return makeId(type, static_cast<int32_t>(t.scalar_type()), nbytes(t), root, -1);
+}
+OpId opId(OpType type, const at::Tensor& t, int64_t root, const RedOp& op) {
+  return makeId(type, static_cast<int32_t>(t.scalar_type()), nbytes(t), root, op.op_);
+}
+OpId opId(OpType type, const std::vector<at::Tensor>& ts, int64_t root = -1, int32_t redop = -1) {
+  int64_t bytes = 0;
+  for (const auto& t : ts) bytes += nbytes(t);
+  return makeId(type, ts.empty() ? -1 : static_cast<int32_t>(ts[0].scalar_type()), bytes, root,
+                redop);
+}
+OpId opId(OpType type, const std::vector<at::Tensor>& ts, int64_t root, const RedOp& op) {
+  return opId(type, ts, root, static_cast<int32_t>(op.op_));
+}
+
+// The text of the error an op body threw.
+std::string errorText(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    return err.what_without_backtrace();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
 void checkOne(const char* op, size_t n) {
   TORCH_CHECK(n == 1, "kaitian ", op, ": expects exactly one tensor per rank, got ", n,
               " (kaitian drives one device per process)");
@@ -167,7 +210,8 @@ KaitianBackend::KaitianBackend(int rank, int size, std::chrono::milliseconds tim
       intraDevice_(std::move(intraDevice)),
       intraCpu_(std::move(intraCpu)),
       bridge_(std::move(bridge)),
-      timeoutMs_(timeout.count()) {
+      timeoutMs_(timeout.count()),
+      fail_(rank) {
   TORCH_CHECK(static_cast<int>(layout_.groupOf.size()) == size,
               "kaitian: layout has ", layout_.groupOf.size(), " ranks, world has ", size);
   TORCH_CHECK(size == 1 || bridge_ != nullptr, "kaitian: a bridge is required for world size > 1");
@@ -291,13 +335,14 @@ PinnedRing& KaitianBackend::pinnedRing(c10::DeviceType type, int64_t bytes) {
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType type,
-                                                       const char* name,
+                                                       const char* name, OpId id,
                                                        std::vector<at::Tensor> outputs,
                                                        std::vector<at::Tensor> deviceTensors,
                                                        std::chrono::milliseconds timeout,
                                                        Body body) {
   TORCH_CHECK(!stop_.load(), "kaitian ", name,
               ": the process group was shut down; create a new one");
+  if (fail_.broken()) fail_.raise(name);
   auto sync = makeDeviceSync(deviceTensors, name);
   std::vector<c10::Device> devices;
   if (sync) devices.push_back(sync->device);
@@ -305,9 +350,12 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
   const auto limit =
       timeout.count() > 0 ? timeout : std::chrono::milliseconds(timeoutMs_.load());
   ++seq_;
+  // Collectives are numbered alike on every rank (the bridge checks it).
+  if (&queue == collectives_.get()) id.seq = ++collectiveSeq_;
   std::string opName(name);
   queue.push(OpQueue::Task{
-      [this, work, sync, body = std::move(body), outputs = std::move(outputs), limit, opName]() {
+      [this, work, sync, body = std::move(body), outputs = std::move(outputs), limit, opName,
+       id]() {
         std::optional<c10::impl::VirtualGuardImpl> impl;
         std::optional<c10::Device> prevDevice;
         std::optional<c10::Stream> prevStream;
@@ -318,11 +366,19 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
             prevStream = impl->exchangeStream(sync->side);
             sync->ready.block(sync->side);
           }
-          const auto dl = Deadline::after(limit, opName, &stop_);
+          if (fail_.broken()) fail_.raise(opName);  // broken while this op was queued
+          const auto dl = Deadline::after(limit, opName, &stop_, &fail_, id);
           const int src = body(dl);
           work->markDone(outputs, src);
         } catch (...) {
-          work->markFailed(std::current_exception());
+          // Fail-stop: any error breaks the group, here and (through the
+          // bridge) on every peer; the first failure is what all report.
+          auto error = std::current_exception();
+          if (!stop_.load()) {
+            fail_.record(id, opName, errorText(error));
+            if (bridge_) bridge_->poison(fail_.first());
+          }
+          work->markFailed(error);
         }
         if (impl) {
           impl->exchangeStream(*prevStream);
@@ -507,8 +563,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>
               " is not supported; use a dense (strided) or sparse COO tensor");
   checkReduceSupported("allreduce", opts.reduceOp.op_, t.scalar_type());
   const RedOp op = opts.reduceOp;
-  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", tensors, tensors, opts.timeout,
-                 [this, t, op](const Deadline& dl) mutable {
+  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", opId(OpType::ALLREDUCE, t, -1, op),
+                 tensors, tensors, opts.timeout, [this, t, op](const Deadline& dl) mutable {
                    if (t.numel() == 0) return -1;
                    at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
                    reduceFlat(flat, op, {}, true, dl);
@@ -522,8 +578,9 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduceSparse(
   TORCH_CHECK(opts.reduceOp.op_ == RedOp::SUM, "kaitian allreduce: sparse tensors support only "
               "ReduceOp.SUM (got ", reduceOpName(opts.reduceOp.op_), "); densify with .to_dense()");
   std::vector<at::Tensor> tensors{t};
-  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", tensors, tensors, opts.timeout,
-                 [this, t](const Deadline& dl) mutable {
+  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce",
+                 opId(OpType::_ALLREDUCE_SPARSE, t, -1, opts.reduceOp), tensors, tensors,
+                 opts.timeout, [this, t](const Deadline& dl) mutable {
                    // Every rank gathers every rank's (indices, values); the sum is
                    // the coalesced concatenation, identical everywhere.
                    const int W = getSize();
@@ -573,8 +630,9 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
   }
   const RedOp op = opts.reduceOp;
   auto ts = tensors;
-  return enqueue(*collectives_, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
-                 tensors, opts.timeout, [this, ts, op](const Deadline& dl) mutable {
+  return enqueue(*collectives_, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced",
+                 opId(OpType::ALLREDUCE_COALESCED, tensors, -1, op), tensors, tensors,
+                 opts.timeout, [this, ts, op](const Deadline& dl) mutable {
                    std::vector<at::Tensor> flats;
                    for (auto& t : ts) flats.push_back(t.reshape({-1}));
                    at::Tensor flat = at::cat(flats);
@@ -598,7 +656,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& t
   TORCH_CHECK(root >= 0 && root < getSize(), "kaitian reduce: root ", root,
               " is not a rank of this group of ", getSize());
   const RedOp op = opts.reduceOp;
-  return enqueue(*collectives_, OpType::REDUCE, "reduce", tensors, tensors, opts.timeout,
+  return enqueue(*collectives_, OpType::REDUCE, "reduce", opId(OpType::REDUCE, t, root, op),
+                 tensors, tensors, opts.timeout,
                  [this, t, op, root](const Deadline& dl) mutable {
                    if (t.numel() == 0) return -1;
                    if (auto vendor = soleVendor({t}, op.op_)) {
@@ -636,7 +695,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter(
   const RedOp op = opts.reduceOp;
   std::vector<at::Tensor> all = ins;
   all.push_back(out);
-  return enqueue(*collectives_, OpType::REDUCE_SCATTER, "reduce_scatter", outputs, all,
+  return enqueue(*collectives_, OpType::REDUCE_SCATTER, "reduce_scatter",
+                 opId(OpType::REDUCE_SCATTER, out, -1, op), outputs, all,
                  opts.timeout, [this, out, ins, op](const Deadline& dl) mutable {
                    const int64_t m = out.numel();
                    if (m == 0) return -1;
@@ -661,7 +721,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
               out.numel(), ")");
   checkReduceSupported("reduce_scatter_tensor", opts.reduceOp.op_, out.scalar_type());
   const RedOp op = opts.reduceOp;
-  return enqueue(*collectives_, OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out},
+  return enqueue(*collectives_, OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
+                 opId(OpType::_REDUCE_SCATTER_BASE, out, -1, op), {out},
                  {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
                    const int64_t m = out.numel();
                    if (m == 0) return -1;
@@ -699,7 +760,9 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
   std::vector<at::Tensor> all = ins;
   all.insert(all.end(), outs.begin(), outs.end());
   return enqueue(*collectives_, compat::kReduceScatterTensorCoalesced,
-                 "reduce_scatter_tensor_coalesced", outputs, all, opts.timeout,
+                 "reduce_scatter_tensor_coalesced",
+                 opId(compat::kReduceScatterTensorCoalesced, outs, -1, op), outputs, all,
+                 opts.timeout,
                  [this, outs, ins, op](const Deadline& dl) mutable {
                    for (size_t i = 0; i < outs.size(); ++i) {
                      const int64_t m = outs[i].numel();
@@ -725,7 +788,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>
   at::Tensor t = tensors[0];
   TORCH_CHECK(t.layout() == at::kStrided,
               "kaitian broadcast: sparse tensors are not supported; call .to_dense() first");
-  return enqueue(*collectives_, OpType::BROADCAST, "broadcast", tensors, tensors, opts.timeout,
+  return enqueue(*collectives_, OpType::BROADCAST, "broadcast", opId(OpType::BROADCAST, t, root),
+                 tensors, tensors, opts.timeout,
                  [this, t, root](const Deadline& dl) mutable {
                    if (getSize() == 1) return -1;
                    if (auto vendor = soleVendor({t})) {
@@ -776,7 +840,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
   for (const auto& o : outs) checkSameKind("allgather", in, o, in.numel(), "an output");
   std::vector<at::Tensor> all = outs;
   all.push_back(in);
-  return enqueue(*collectives_, OpType::ALLGATHER, "allgather", outs, all, opts.timeout,
+  return enqueue(*collectives_, OpType::ALLGATHER, "allgather", opId(OpType::ALLGATHER, in),
+                 outs, all, opts.timeout,
                  [this, in, outs](const Deadline& dl) mutable {
                    if (getSize() == 1) {  // where the data is: no host staging
                      outs[0].copy_(in.reshape(outs[0].sizes()));
@@ -817,7 +882,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
   TORCH_CHECK(out.numel() == in.numel() * getSize(), "kaitian allgather_into_tensor: output has ",
               out.numel(), " elements, expected world size (", getSize(), ") x input (",
               in.numel(), ")");
-  return enqueue(*collectives_, OpType::_ALLGATHER_BASE, "allgather_into_tensor", {out},
+  return enqueue(*collectives_, OpType::_ALLGATHER_BASE, "allgather_into_tensor",
+                 opId(OpType::_ALLGATHER_BASE, in), {out},
                  {in, out}, opts.timeout, [this, in, out](const Deadline& dl) mutable {
                    if (getSize() == 1) {  // where the data is: no host staging
                      out.copy_(in.reshape(out.sizes()));
@@ -864,7 +930,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_coalesced(
     flatOuts.insert(flatOuts.end(), l.begin(), l.end());
   }
   all.insert(all.end(), flatOuts.begin(), flatOuts.end());
-  return enqueue(*collectives_, OpType::ALLGATHER_COALESCED, "allgather_coalesced", flatOuts, all,
+  return enqueue(*collectives_, OpType::ALLGATHER_COALESCED, "allgather_coalesced",
+                 opId(OpType::ALLGATHER_COALESCED, ins), flatOuts, all,
                  opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
                    const int W = getSize();
                    // One exchange: the inputs concatenated as bytes.
@@ -905,7 +972,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_into_tensor_coalesced(
   auto ins = inputs, outs = outputs;
   std::vector<at::Tensor> all = ins;
   all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, compat::kAllgatherIntoTensorCoalesced, "allgather_into_tensor_coalesced", outputs,
+  return enqueue(*collectives_, compat::kAllgatherIntoTensorCoalesced, "allgather_into_tensor_coalesced",
+                 opId(compat::kAllgatherIntoTensorCoalesced, ins), outputs,
                  all, opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
                    const int W = getSize();
                    for (size_t i = 0; i < ins.size(); ++i) {
@@ -943,7 +1011,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::gather(
   }
   std::vector<at::Tensor> all = outs;
   all.push_back(in);
-  return enqueue(*collectives_, OpType::GATHER, "gather", outs, all, opts.timeout,
+  return enqueue(*collectives_, OpType::GATHER, "gather", opId(OpType::GATHER, in, root), outs, all,
+                 opts.timeout,
                  [this, in, outs, root](const Deadline& dl) mutable {
                    const int W = getSize(), me = getRank();
                    const int64_t nb = nbytes(in);
@@ -987,7 +1056,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::scatter(
   }
   std::vector<at::Tensor> all = ins;
   all.push_back(out);
-  return enqueue(*collectives_, OpType::SCATTER, "scatter", outputs, all, opts.timeout,
+  return enqueue(*collectives_, OpType::SCATTER, "scatter", opId(OpType::SCATTER, out, root),
+                 outputs, all, opts.timeout,
                  [this, out, ins, root](const Deadline& dl) mutable {
                    const int W = getSize(), me = getRank();
                    const int64_t nb = nbytes(out);
@@ -1041,7 +1111,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall_base(
   TORCH_CHECK(inRow == outRow || inRow == 0 || outRow == 0,
               "kaitian alltoall_single: input rows have ", inRow, " elements, output rows ",
               outRow, "; use matching trailing dimensions");
-  return enqueue(*collectives_, OpType::ALLTOALL_BASE, "alltoall_single", {out}, {in, out},
+  return enqueue(*collectives_, OpType::ALLTOALL_BASE, "alltoall_single",
+                 opId(OpType::ALLTOALL_BASE, in.scalar_type(), -1), {out}, {in, out},
                  opts.timeout, [this, in, out, inS, outS, inRow, outRow](const Deadline& dl) mutable {
                    const int W = getSize();
                    const int64_t es = in.element_size();
@@ -1079,7 +1150,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall(std::vector<at::Tensor>&
   auto ins = inputs, outs = outputs;
   std::vector<at::Tensor> all = ins;
   all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, OpType::ALLTOALL, "alltoall", outputs, all, opts.timeout,
+  return enqueue(*collectives_, OpType::ALLTOALL, "alltoall",
+                 opId(OpType::ALLTOALL, inputs[0].scalar_type(), -1), outputs, all, opts.timeout,
                  [this, ins, outs](const Deadline& dl) mutable {
                    const int W = getSize();
                    std::vector<at::Tensor> hs;
@@ -1104,7 +1176,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall(std::vector<at::Tensor>&
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(*collectives_, OpType::BARRIER, "barrier", {}, {}, opts.timeout,
+  return enqueue(*collectives_, OpType::BARRIER, "barrier", opId(OpType::BARRIER), {}, {},
+                 opts.timeout,
                  [this](const Deadline& dl) {
                    const int W = getSize();
                    exchangeBytes(nullptr, 0, std::vector<int64_t>(W, 0),
@@ -1122,7 +1195,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::send(std::vector<at::Tensor>& ten
   TORCH_CHECK(dstRank >= 0 && dstRank < getSize(), "kaitian send: destination ", dstRank,
               " is not a rank of this group of ", getSize());
   at::Tensor t = tensors[0];
-  return enqueue(*sends_, OpType::SEND, "send", tensors, tensors, std::chrono::milliseconds(0),
+  return enqueue(*sends_, OpType::SEND, "send", opId(OpType::SEND, t, dstRank), tensors, tensors,
+                 std::chrono::milliseconds(0),
                  [this, t, dstRank, tag](const Deadline& dl) {
                    at::Tensor h = hostCopyOf(t);
                    bridge_->send(dstRank, h.data_ptr(), nbytes(h), tag, dl);
@@ -1136,7 +1210,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::recv(std::vector<at::Tensor>& ten
   TORCH_CHECK(srcRank >= 0 && srcRank < getSize(), "kaitian recv: source ", srcRank,
               " is not a rank of this group of ", getSize());
   at::Tensor t = tensors[0];
-  return enqueue(*recvs_, OpType::RECV, "recv", tensors, tensors, std::chrono::milliseconds(0),
+  return enqueue(*recvs_, OpType::RECV, "recv", opId(OpType::RECV, t, srcRank), tensors, tensors,
+                 std::chrono::milliseconds(0),
                  [this, t, srcRank, tag](const Deadline& dl) mutable {
                    at::Tensor h = hostBufferFor(t);
                    const int src = bridge_->recv(srcRank, h.data_ptr(), nbytes(h), tag, dl);
@@ -1149,7 +1224,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::recvAnysource(std::vector<at::Ten
                                                              int tag) {
   checkOne("recv", tensors.size());
   at::Tensor t = tensors[0];
-  return enqueue(*recvs_, OpType::RECVANYSOURCE, "recv", tensors, tensors,
+  return enqueue(*recvs_, OpType::RECVANYSOURCE, "recv", opId(OpType::RECVANYSOURCE, t),
+                 tensors, tensors,
                  std::chrono::milliseconds(0), [this, t, tag](const Deadline& dl) mutable {
                    at::Tensor h = hostBufferFor(t);
                    const int src = bridge_->recv(-1, h.data_ptr(), nbytes(h), tag, dl);

@@ -101,11 +101,15 @@ class KaitianBackend : public c10d::Backend {
     return bridge_ ? bridge_->regions() : std::vector<std::pair<uintptr_t, int64_t>>{};
   }
   bool hasIntra() const { return intraDevice_.defined() || intraCpu_.defined(); }
+  // The first failure once the group is broken, else "".
+  std::string firstFailure() const { return fail_.broken() ? fail_.first() : ""; }
 
  private:
   using Body = std::function<int(const Deadline&)>;  // returns the source rank (recv) or -1
+  // Runs `body` on `queue` as op `id` (collectives get their sequence number
+  // here); once the group is broken, raises instead.
   c10::intrusive_ptr<c10d::Work> enqueue(OpQueue& queue, c10d::OpType type, const char* name,
-                                         std::vector<at::Tensor> outputs,
+                                         OpId id, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> deviceTensors,
                                          std::chrono::milliseconds timeout, Body body);
   c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor t,
@@ -145,6 +149,8 @@ class KaitianBackend : public c10d::Backend {
   std::atomic<int64_t> timeoutMs_;  // the group timeout; set_timeout() may change it
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> seq_{0};
+  std::atomic<uint64_t> collectiveSeq_{0};  // collectives issued, in issue order
+  FailState fail_;              // fail-stop: the first failure, once there is one
   std::mutex shutdownMu_;
   bool shutDown_ = false;
   std::unique_ptr<OpQueue> collectives_, sends_, recvs_;

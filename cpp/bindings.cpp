@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include "backend.hpp"
+#include "sha256.hpp"
 #include "shm_bridge.hpp"
 #include "tcp_bridge.hpp"
 
@@ -25,7 +26,8 @@ c10::intrusive_ptr<KaitianBackend> createBackend(
     const py::object& intraCpu, const std::string& bridgeKind, const py::object& bridgeStore,
     const std::string& uid, int64_t chunkBytes, std::vector<int64_t> pids,
     const std::string& tcpHost, int64_t spinMicros, int64_t segmentBytes,
-    std::vector<std::vector<std::string>> vendorGaps) {
+    std::vector<std::vector<std::string>> vendorGaps, const py::bytes& tcpKey,
+    const std::string& tcpSession, std::pair<int, int> tcpPorts) {
   const std::chrono::milliseconds timeout(timeoutMs);
   auto devBackend = optionalBackend(intraDevice);
   auto cpuBackend = optionalBackend(intraCpu);
@@ -33,11 +35,12 @@ c10::intrusive_ptr<KaitianBackend> createBackend(
   if (bridgeKind == "shm") meet = bridgeStore.cast<c10::intrusive_ptr<c10d::Store>>();
   TORCH_CHECK(bridgeKind == "shm" || bridgeKind == "tcp", "kaitian: unknown bridge kind ",
               bridgeKind, " (expected shm or tcp)");
+  const MeshOptions mesh{tcpHost, std::string(tcpKey), tcpSession, tcpPorts.first, tcpPorts.second};
   std::unique_ptr<Bridge> bridge;
   {
     py::gil_scoped_release nogil;  // peers meet through stores: this blocks
     if (bridgeKind == "tcp") {
-      bridge = std::make_unique<TcpBridge>(store, rank, size, tcpHost, timeout);
+      bridge = std::make_unique<TcpBridge>(store, rank, size, mesh, timeout);
     } else {
       bridge = std::make_unique<ShmBridge>(meet, rank, size, uid, chunkBytes, std::move(pids),
                                            timeout, spinMicros);
@@ -83,5 +86,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("intra_cpu"), py::arg("bridge_kind"), py::arg("bridge_store"), py::arg("shm_name"),
         py::arg("chunk_bytes"), py::arg("pids"), py::arg("tcp_host"), py::arg("spin_us") = 50,
         py::arg("segment_bytes") = int64_t{16} << 20,
-        py::arg("vendor_gaps") = std::vector<std::vector<std::string>>{});
+        py::arg("vendor_gaps") = std::vector<std::vector<std::string>>{},
+        py::arg("tcp_key") = py::bytes(), py::arg("tcp_session") = "",
+        py::arg("tcp_ports") = std::make_pair(0, 0));
+  // For tests: the HMAC the TCP handshake uses.
+  m.def("_hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
+    const Digest d = hmacSha256(std::string(key), std::string(msg));
+    return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+  });
 }

@@ -36,6 +36,15 @@ struct ExchangeSpec {
   std::vector<int64_t> recvLen;            // per source rank
 };
 
+// The most bytes of a failure text a bridge forwards to its peers.
+constexpr size_t kMaxFailureText = 1024;
+
+// Fail-stop contract: every reduce/exchange/send/recv carries dl.id (and its
+// own call or message sequence number) to the peers, which check it before they
+// use the data and raise naming both calls when it differs; every length or
+// offset read from a peer is checked against what the op expects. After any
+// error the backend calls poison(): peers waiting on this rank, and their later
+// ops, raise with the first failure's text.
 class Bridge {
  public:
   virtual ~Bridge() = default;
@@ -49,6 +58,9 @@ class Bridge {
   virtual void send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) = 0;
   // Receives from `src` (or any source when src < 0); returns the source rank.
   virtual int recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) = 0;
+  // Tells every peer that this process group is broken (first failure text);
+  // idempotent, callable from any thread, never blocks for long.
+  virtual void poison(const std::string& firstFailure) = 0;
   // Memory regions a vendor runtime may pin (ptr, bytes).
   virtual std::vector<std::pair<uintptr_t, int64_t>> regions() const { return {}; }
   // Releases OS resources; further calls fail.

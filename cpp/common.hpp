@@ -1,9 +1,12 @@
-// Shared small types of the kaitian backend: deadlines, ranges, errors.
+// Shared small types of the kaitian backend: deadlines, ranges, op identities,
+// the fail-stop state, errors.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -32,38 +35,84 @@ inline Range evenPart(int64_t total, int64_t n, int64_t i) {
   return Range{begin, begin + base + (i < extra ? 1 : 0)};
 }
 
+// What one op is, as every rank must agree on it. Every bridge round carries
+// it and peers compare it before they use the round's data. Plain integers:
+// it travels through shared memory and sockets as is.
+struct OpId {
+  uint64_t seq = 0;     // number of this collective in the process group (1, 2, ...)
+  int32_t type = -1;    // c10d::OpType
+  int32_t dtype = -1;   // at::ScalarType, -1 when the op has no tensor
+  int64_t bytes = 0;    // the size every rank must pass (the input of rank-symmetric ops)
+  int64_t root = -1;    // root rank, -1 when none
+  int32_t redop = -1;   // c10d::ReduceOp::RedOpType of reductions, -1 otherwise
+  int32_t pad = 0;
+
+  bool sameCall(const OpId& o) const {
+    return seq == o.seq && type == o.type && dtype == o.dtype && bytes == o.bytes &&
+           root == o.root && redop == o.redop;
+  }
+  // "all_reduce(float32, 32 B, SUM)", "broadcast(float32, 32 B, root 0)".
+  std::string describe() const;
+};
+static_assert(sizeof(OpId) == 40, "OpId is a wire format");
+
+// "rank 0 called all_reduce(float32, 32 B, SUM) but rank 1 called broadcast(...)".
+std::string mismatchText(int me, const OpId& mine, int peer, const OpId& theirs);
+
+// The fail-stop state of one process group: after the first error every op
+// raises naming it. Shared by the op threads and the bridge.
+class FailState {
+ public:
+  explicit FailState(int rank) : rank_(rank) {}
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
+  // Records this rank's failure in `op` as the first (unless one is recorded
+  // already; the first stays). Returns true if it was the first.
+  bool record(const OpId& id, const std::string& op, const std::string& why);
+  // Records a failure a peer reported (its text names its rank and op).
+  bool adopt(const std::string& peerFirstFailure);
+  std::string first() const;
+  // The error every op raises once the group is broken.
+  [[noreturn]] void raise(const std::string& op) const;
+
+ private:
+  int rank_;
+  std::atomic<bool> broken_{false};
+  mutable std::mutex mu_;
+  std::string first_;
+};
+
 // When a blocking step must give up. Every wait in the bridges takes one.
 struct Deadline {
   Clock::time_point at;
   std::string what;  // the op, for error messages ("allreduce")
   std::chrono::milliseconds timeout;
   const std::atomic<bool>* stop = nullptr;  // set when the backend shuts down
+  FailState* fail = nullptr;                // the group's fail-stop state
+  OpId id;                                  // the op these waits belong to
 
   static Deadline after(std::chrono::milliseconds t, std::string what,
-                        const std::atomic<bool>* stop) {
-    return Deadline{Clock::now() + t, std::move(what), t, stop};
+                        const std::atomic<bool>* stop, FailState* fail = nullptr,
+                        OpId id = OpId{}) {
+    return Deadline{Clock::now() + t, std::move(what), t, stop, fail, id};
   }
   bool expired() const { return Clock::now() >= at; }
   // Throws the error every waiting loop raises when it gives up.
-  [[noreturn]] void fail(const std::string& waitingFor) const;
-  // Throws if the deadline passed or the backend is shutting down.
+  [[noreturn]] void timedOut(const std::string& waitingFor) const;
+  // Throws if the deadline passed, the group broke or the backend is shutting down.
   void check(const std::string& waitingFor) const {
+    if (fail && fail->broken()) fail->raise(what);
     if (stop && stop->load(std::memory_order_relaxed)) {
       C10_THROW_ERROR(DistBackendError,
                       "kaitian " + what + ": process group was shut down while waiting for " +
                           waitingFor);
     }
-    if (expired()) fail(waitingFor);
+    if (expired()) timedOut(waitingFor);
   }
+  // Records `why` as the group's first failure (if none yet) and throws it.
+  [[noreturn]] void breakGroup(const std::string& why) const;
+  // A peer reported the group broken (`first` names its first failure): adopt
+  // it (unless this rank has its own already) and throw.
+  [[noreturn]] void peerFailed(const std::string& first) const;
 };
-
-inline void Deadline::fail(const std::string& waitingFor) const {
-  C10_THROW_ERROR(
-      DistBackendError,
-      "kaitian " + what + ": timed out after " + std::to_string(timeout.count() / 1000.0) +
-          " s waiting for " + waitingFor +
-          " (a peer died, is stuck, or ranks issued different collectives; raise the "
-          "process group timeout if the peer is only slow)");
-}
 
 }  // namespace kaitian

@@ -1,11 +1,17 @@
 // Same-host shared-memory bridge. See shm_bridge.hpp for the layout idea.
 //
 // Collectives advance in "rounds" numbered identically on every rank. Round t
-// uses slot t % 2 of each segment; a rank may reuse a slot only when every peer
-// has finished round t - 2 (its `gathered` counter). Counters only grow, so they
-// never need resetting between ops. Waiting is a short spin, then a futex on the
-// peer's event word (shared-memory futexes work across processes), with the
-// deadline and the peer's liveness checked between sleeps.
+// uses slot t % kSlots of each segment; a rank may reuse a slot only when every
+// peer has finished round t - kSlots (its `gathered` counter). Counters only
+// grow, so they never need resetting between ops. Before a rank publishes a
+// round it writes the round's identity (bridge call number, round, OpId) into
+// the slot's header; a reader checks it before using the slot's data, so ranks
+// in different collectives raise instead of mixing data. Waiting is a short
+// spin, then a futex on the peer's event word (shared-memory futexes work
+// across processes), with the deadline, the peers' fail-stop state and the
+// peer's liveness (pid, or heartbeat across pid namespaces) checked between
+// sleeps. Point-to-point messages go through per-pair mailboxes; senders and
+// receivers ring each other's `inbox` word.
 #include "shm_bridge.hpp"
 
 #include <fcntl.h>
@@ -18,12 +24,12 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -34,29 +40,39 @@
 
 namespace kaitian {
 
+struct alignas(64) ShmEventWord {
+  std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> waiters;
+};
+
 namespace {
-constexpr uint64_t kMagic = 0x314e414954494b41ULL;  // "AKITIAN1"
-constexpr int64_t kMsgHeader = 64;
+constexpr uint64_t kMagic = 0x324e414954494b41ULL;  // "AKITIAN2"
 // Chunk slots per segment: round t uses slot t % kSlots, so a fast rank can run
 // up to kSlots - 1 rounds ahead of the slowest reader.
 constexpr int64_t kSlots = 4;
+constexpr int64_t kMinMailbox = 4096;
+constexpr long kSleepNanos = 20 * 1000 * 1000;  // one futex sleep; checks in between
+constexpr auto kAliveEvery = std::chrono::milliseconds(50);
+enum State : uint32_t { kRunning = 0, kBroken = 1, kClosed = 2 };
 
 struct alignas(64) Counter {
   std::atomic<uint64_t> v;
 };
-struct alignas(64) EventWord {
-  std::atomic<uint32_t> seq;
-  std::atomic<uint32_t> waiters;
+// The identity of one collective round in one slot.
+struct alignas(64) SlotHeader {
+  uint64_t call, round;
+  int32_t kind, pad;
+  OpId id;
 };
-struct MsgHeader {
+// One point-to-point piece in a mailbox.
+struct alignas(64) MsgHeader {
+  uint64_t seq;
   int64_t tag, total, offset, len;
 };
 
 int64_t alignUp(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
-std::string sysError(const std::string& what) {
-  return what + ": " + std::strerror(errno);
-}
+std::string sysError(const std::string& what) { return what + ": " + std::strerror(errno); }
 
 void futexWait(std::atomic<uint32_t>* addr, uint32_t expected, long nanos) {
   struct timespec ts{nanos / 1000000000L, nanos % 1000000000L};
@@ -67,8 +83,13 @@ void futexWakeAll(std::atomic<uint32_t>* addr) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
+void wake(ShmEventWord& ev, bool always) {
+  ev.seq.fetch_add(1, std::memory_order_seq_cst);
+  if (always || ev.waiters.load(std::memory_order_seq_cst) > 0) futexWakeAll(&ev.seq);
+}
+
 bool pidAlive(int64_t pid) {
-  if (pid <= 0) return true;  // unknown (other pid namespace): rely on the deadline
+  if (pid <= 0) return true;  // unknown (other pid namespace): the heartbeat tells
   if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   if (!stat) return true;
@@ -81,33 +102,77 @@ bool pidAlive(int64_t pid) {
   }
   return true;
 }
+
+std::string seconds(Clock::duration d) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f",
+                std::chrono::duration_cast<std::chrono::milliseconds>(d).count() / 1000.0);
+  return buf;
+}
 }  // namespace
 
 struct ShmSegmentHeader {
   uint64_t magic;
   int64_t rank, world, chunk, mailbox, pid;
-  alignas(64) EventWord ev;
+  ShmEventWord ev;     // collectives: bumped after every counter store
+  ShmEventWord inbox;  // p2p: rung by peers that sent to or acked this rank
   Counter pub, reduced, gathered;
-  // followed by Counter p2pSent[world] and Counter p2pAck[world]
+  Counter heartbeat;   // bumped every 100 ms while the bridge is open
+  alignas(64) std::atomic<uint32_t> state;
+  char failure[kMaxFailureText + 1];
+  SlotHeader slot[kSlots];
+  // followed by MsgHeader box[world], Counter p2pSent[world], Counter p2pAck[world]
 };
+
+namespace {
+int64_t headerBytes(int size) {
+  return alignUp(sizeof(ShmSegmentHeader) + static_cast<int64_t>(size) *
+                                                (sizeof(MsgHeader) + 2 * sizeof(Counter)),
+                 4096);
+}
+int64_t chunkFor(int size, int64_t chunkBytes) {
+  int64_t c = std::max<int64_t>(alignUp(chunkBytes, 64), 4096);
+  return std::max<int64_t>(c, alignUp((1 + 3 * static_cast<int64_t>(size)) * 8, 64));
+}
+// Per-pair mailbox: one chunk of p2p space split between the peers.
+int64_t mailboxFor(int size, int64_t chunk) {
+  return std::max<int64_t>(kMinMailbox, chunk / std::max(size, 1) / 64 * 64);
+}
+MsgHeader* boxHeader(ShmSegmentHeader* h, int dst) {
+  return reinterpret_cast<MsgHeader*>(h + 1) + dst;
+}
+Counter* p2pCounters(ShmSegmentHeader* h, int size) {
+  return reinterpret_cast<Counter*>(boxHeader(h, size));
+}
+}  // namespace
+
+int64_t ShmBridge::segmentBytes(int size, int64_t chunkBytes) {
+  const int64_t chunk = chunkFor(size, chunkBytes);
+  return headerBytes(size) + kSlots * 2 * chunk + size * mailboxFor(size, chunk);
+}
 
 ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                      const std::string& name, int64_t chunkBytes, std::vector<int64_t> pids,
                      std::chrono::milliseconds timeout, int64_t spinMicros)
-    : rank_(rank), size_(size), pids_(std::move(pids)), peers_(size), spinMicros_(spinMicros) {
-  chunk_ = std::max<int64_t>(alignUp(chunkBytes, 64), 4096);
-  chunk_ = std::max<int64_t>(chunk_, alignUp((1 + 3 * static_cast<int64_t>(size)) * 8, 64));
-  mailbox_ = std::min<int64_t>(chunk_, 1 << 20);
-  const int64_t headerBytes =
-      sizeof(ShmSegmentHeader) + 2 * static_cast<int64_t>(size) * sizeof(Counter);
-  dataOff_ = alignUp(headerBytes, 4096);
-  segBytes_ = dataOff_ + kSlots * 2 * chunk_ + static_cast<int64_t>(size) * (kMsgHeader + mailbox_);
+    : rank_(rank),
+      size_(size),
+      pids_(std::move(pids)),
+      peers_(size),
+      spinMicros_(spinMicros),
+      deadAfter_(std::clamp<std::chrono::milliseconds>(timeout / 4, std::chrono::seconds(2),
+                                                       std::chrono::seconds(15))),
+      beats_(size) {
+  chunk_ = chunkFor(size, chunkBytes);
+  mailbox_ = mailboxFor(size, chunk_);
+  dataOff_ = headerBytes(size);
+  segBytes_ = segmentBytes(size, chunkBytes);
   myName_ = name;
-  TORCH_CHECK(!myName_.empty() && myName_[0] == '/' && myName_.find('/', 1) == std::string::npos,
+  TORCH_CHECK(myName_.rfind("/kaitian-", 0) == 0 && myName_.find('/', 1) == std::string::npos,
               "kaitian: bad shared memory name ", myName_);
+  const uid_t me = ::geteuid();
 
-  auto cleanup = [&]() { close(); };
   try {
+    // O_EXCL: never adopt a segment someone else made under our name.
     const int fd = ::shm_open(myName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     TORCH_CHECK(fd >= 0, sysError("kaitian: cannot create shared memory " + myName_ +
                                   " (is /dev/shm mounted and writable?)"));
@@ -119,12 +184,13 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
       ::close(fd);
       TORCH_CHECK(false, msg);
     }
-    void* p = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    void* p = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ::close(fd);
     TORCH_CHECK(p != MAP_FAILED, sysError("kaitian: cannot map shared memory " + myName_));
-    // MAP_POPULATE above and on the peers' mappings: page faults happen here,
-    // not inside the first collective.
     peers_[rank].base = static_cast<uint8_t*>(p);
+    // Fault in the header and the chunk slots now, not inside the first
+    // collective; mailboxes get pages only if point-to-point is used.
+    std::memset(p, 0, dataOff_ + kSlots * 2 * chunk_);
     auto* hdr = reinterpret_cast<ShmSegmentHeader*>(p);
     hdr->rank = rank;
     hdr->world = size;
@@ -134,6 +200,7 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
     std::atomic_thread_fence(std::memory_order_release);
     hdr->magic = kMagic;
     peers_[rank].hdr = hdr;
+    hbThread_ = std::thread([this] { heartbeatLoop(); });
 
     store->set("kaitian/shm/" + std::to_string(rank),
                std::vector<uint8_t>(myName_.begin(), myName_.end()));
@@ -143,24 +210,39 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
       store->wait({key}, timeout);
       auto raw = store->get(key);
       const std::string name(raw.begin(), raw.end());
-      const int pfd = ::shm_open(name.c_str(), O_RDWR, 0600);
-      TORCH_CHECK(pfd >= 0, sysError("kaitian: cannot open rank " + std::to_string(s) +
-                                     "'s shared memory " + name));
+      const std::string who = "rank " + std::to_string(s) + "'s shared memory " + name;
+      TORCH_CHECK(name.rfind("/kaitian-", 0) == 0 && name.find('/', 1) == std::string::npos,
+                  "kaitian: ", who, " is not a kaitian segment name");
+      const int pfd = ::shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
+      TORCH_CHECK(pfd >= 0, sysError("kaitian: cannot open " + who));
       struct stat st{};
-      ::fstat(pfd, &st);
-      if (static_cast<size_t>(st.st_size) != segBytes_) {
-        ::close(pfd);
-        TORCH_CHECK(false, "kaitian: rank ", s, "'s shared memory has ", st.st_size,
-                    " bytes, expected ", segBytes_,
-                    "; all ranks must use the same KAITIAN_CHUNK_BYTES and world size");
+      std::string bad;
+      if (::fstat(pfd, &st) != 0) {
+        bad = sysError("fstat failed");
+      } else if (st.st_uid != me) {
+        bad = "it is owned by uid " + std::to_string(st.st_uid) + ", not " + std::to_string(me);
+      } else if ((st.st_mode & 0077) != 0) {
+        bad = "it is accessible to group/others (mode " + std::to_string(st.st_mode & 0777) + ")";
+      } else if (static_cast<size_t>(st.st_size) != segBytes_) {
+        bad = "it has " + std::to_string(st.st_size) + " bytes, expected " +
+              std::to_string(segBytes_) +
+              " (all ranks must use the same KAITIAN_CHUNK_BYTES and world size)";
       }
-      void* q = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, pfd, 0);
+      if (!bad.empty()) {
+        ::close(pfd);
+        TORCH_CHECK(false, "kaitian: refusing ", who, ": ", bad);
+      }
+      void* q = ::mmap(nullptr, segBytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
       ::close(pfd);
-      TORCH_CHECK(q != MAP_FAILED, sysError("kaitian: cannot map " + name));
+      TORCH_CHECK(q != MAP_FAILED, sysError("kaitian: cannot map " + who));
       peers_[s].base = static_cast<uint8_t*>(q);
-      peers_[s].hdr = reinterpret_cast<ShmSegmentHeader*>(q);
-      TORCH_CHECK(peers_[s].hdr->magic == kMagic, "kaitian: ", name,
-                  " is not a kaitian segment of this job");
+      auto* ph = reinterpret_cast<ShmSegmentHeader*>(q);
+      TORCH_CHECK(ph->magic == kMagic && ph->rank == s && ph->world == size &&
+                      ph->chunk == chunk_ && ph->mailbox == mailbox_,
+                  "kaitian: ", who, " is not rank ", s, "'s segment of this process group "
+                  "(magic, rank, world size or chunk size differ)");
+      peers_[s].hdr = ph;
+      beats_[s] = Beat{ph->heartbeat.v.load(std::memory_order_relaxed), Clock::now()};
     }
     // Everyone has mapped everything: drop the names so that a crash from here on
     // leaves nothing in /dev/shm.
@@ -171,14 +253,39 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
     ::shm_unlink(myName_.c_str());
     unlinked_ = true;
   } catch (...) {
-    cleanup();
+    close();
     throw;
   }
 }
 
 ShmBridge::~ShmBridge() { close(); }
 
+void ShmBridge::heartbeatLoop() {
+  std::unique_lock<std::mutex> lock(hbMu_);
+  while (!hbStop_) {
+    peers_[rank_].hdr->heartbeat.v.fetch_add(1, std::memory_order_relaxed);
+    hbCv_.wait_for(lock, std::chrono::milliseconds(100));
+  }
+}
+
 void ShmBridge::close() {
+  {
+    std::lock_guard<std::mutex> lock(hbMu_);
+    hbStop_ = true;
+  }
+  hbCv_.notify_all();
+  if (hbThread_.joinable()) hbThread_.join();
+  if (peers_[rank_].hdr != nullptr) {
+    // Peers still waiting on us learn that we are gone, not just slow.
+    uint32_t running = kRunning;
+    peers_[rank_].hdr->state.compare_exchange_strong(running, kClosed);
+    for (auto& p : peers_) {
+      if (p.hdr) {
+        wake(p.hdr->ev, true);
+        wake(p.hdr->inbox, true);
+      }
+    }
+  }
   for (auto& p : peers_) {
     if (p.base) ::munmap(p.base, segBytes_);
     p.base = nullptr;
@@ -188,6 +295,31 @@ void ShmBridge::close() {
     ::shm_unlink(myName_.c_str());
     unlinked_ = true;
   }
+}
+
+void ShmBridge::poison(const std::string& firstFailure) {
+  auto* hdr = peers_[rank_].hdr;
+  if (hdr == nullptr || poisoned_.exchange(true)) return;
+  const size_t n = std::min(firstFailure.size(), kMaxFailureText);
+  std::memcpy(hdr->failure, firstFailure.data(), n);
+  hdr->failure[n] = '\0';
+  hdr->state.store(kBroken, std::memory_order_release);
+  // Wake everyone, wherever they sleep: they check the peers' state when they wake.
+  for (auto& p : peers_) {
+    if (p.hdr) {
+      wake(p.hdr->ev, true);
+      wake(p.hdr->inbox, true);
+    }
+  }
+}
+
+std::string ShmBridge::failureOf(int peer) const {
+  const char* f = peers_[peer].hdr->failure;
+  std::string out;
+  for (size_t i = 0; i < kMaxFailureText && f[i] != '\0'; ++i) {
+    out += (f[i] >= 32 && f[i] < 127) ? f[i] : '?';
+  }
+  return out.empty() ? "rank " + std::to_string(peer) + " reported an error" : out;
 }
 
 std::vector<std::pair<uintptr_t, int64_t>> ShmBridge::regions() const {
@@ -205,68 +337,134 @@ uint8_t* ShmBridge::outArea(int r, uint64_t round) const {
   return inArea(r, round) + chunk_;
 }
 uint8_t* ShmBridge::mailbox(int owner, int dst) const {
-  return peers_[owner].base + dataOff_ + kSlots * 2 * chunk_ + dst * (kMsgHeader + mailbox_);
+  return peers_[owner].base + dataOff_ + kSlots * 2 * chunk_ + dst * mailbox_;
 }
 std::atomic<uint64_t>& ShmBridge::p2pSent(int owner, int dst) const {
-  auto* c = reinterpret_cast<Counter*>(peers_[owner].hdr + 1);
-  return c[dst].v;
+  return p2pCounters(peers_[owner].hdr, size_)[dst].v;
 }
 std::atomic<uint64_t>& ShmBridge::p2pAck(int owner, int src) const {
-  auto* c = reinterpret_cast<Counter*>(peers_[owner].hdr + 1);
-  return c[size_ + src].v;
+  return p2pCounters(peers_[owner].hdr, size_)[size_ + src].v;
 }
 
-void ShmBridge::signal() {
-  auto& ev = peers_[rank_].hdr->ev;
-  ev.seq.fetch_add(1, std::memory_order_seq_cst);
-  if (ev.waiters.load(std::memory_order_seq_cst) > 0) futexWakeAll(&ev.seq);
-}
+void ShmBridge::signal() { wake(peers_[rank_].hdr->ev, false); }
+void ShmBridge::ring(int r) { wake(peers_[r].hdr->inbox, false); }
 
-void ShmBridge::checkPeerAlive(int peer, const Deadline& dl, const char* what) {
+void ShmBridge::checkAlive(int peer, const Deadline& dl, const char* what) {
   const int64_t pid = peer < static_cast<int>(pids_.size()) ? pids_[peer] : -1;
-  if (!pidAlive(pid)) {
-    C10_THROW_ERROR(DistBackendError,
-                    "kaitian " + dl.what + ": rank " + std::to_string(peer) + " (pid " +
-                        std::to_string(pid) + ") exited while this rank waited for its " + what +
-                        "; the job cannot continue (restart it; kaitianrun --max-restarts does "
-                        "so automatically)");
+  if (pid > 0) {
+    if (!pidAlive(pid)) {
+      dl.breakGroup("rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
+                    ") exited while this rank waited for its " + what +
+                    "; the job cannot continue (restart it; kaitianrun --max-restarts does so "
+                    "automatically)");
+    }
+    return;
+  }
+  // Another pid namespace (another container): its heartbeat must keep moving.
+  const uint64_t beat = peers_[peer].hdr->heartbeat.v.load(std::memory_order_relaxed);
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(beatMu_);
+  Beat& b = beats_[peer];
+  if (beat != b.value) {
+    b = Beat{beat, now};
+  } else if (now - b.seen > deadAfter_) {
+    dl.breakGroup("rank " + std::to_string(peer) + " stopped its heartbeat " +
+                  seconds(now - b.seen) + " s ago while this rank waited for its " + what +
+                  " (it died or is frozen; it runs in another pid namespace, so its pid cannot "
+                  "be checked)");
   }
 }
 
-void ShmBridge::waitAtLeast(int peer, const std::atomic<uint64_t>& ctr, uint64_t target,
-                            const Deadline& dl, const char* what) {
-  if (ctr.load(std::memory_order_acquire) >= target) return;
-  TORCH_CHECK(peers_[peer].hdr != nullptr, "kaitian ", dl.what, ": the bridge is closed");
+void ShmBridge::checkPeers(int watch, const Deadline& dl, const char* what) {
+  for (int s = 0; s < size_; ++s) {
+    if (s == rank_) continue;
+    const uint32_t st = peers_[s].hdr->state.load(std::memory_order_acquire);
+    if (st == kBroken) dl.peerFailed(failureOf(s));
+    // A closed peer matters only when we wait for that one (any-source receives
+    // go on while other senders remain).
+    if (st == kClosed && watch == s) {
+      dl.breakGroup("rank " + std::to_string(s) +
+                    " destroyed its process group while this rank waited for its " + what +
+                    " (ranks issued different numbers of collectives?)");
+    }
+  }
+}
+
+template <typename Ready>
+void ShmBridge::waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadline& dl,
+                          const char* what) {
+  if (ready()) return;
   // Short spin: a peer in the same collective usually arrives within microseconds.
   const auto spinUntil = Clock::now() + std::chrono::microseconds(spinMicros_);
   for (int i = 0;; ++i) {
-    if (ctr.load(std::memory_order_acquire) >= target) return;
+    if (ready()) return;
     KAITIAN_CPU_RELAX();
     if ((i & 127) == 127) {
       if (Clock::now() >= spinUntil) break;
       if ((i & 4095) == 4095) sched_yield();  // let a descheduled peer run
     }
   }
-  auto& ev = peers_[peer].hdr->ev;
-  auto lastAliveCheck = Clock::now();
+  auto lastAlive = Clock::now();
   while (true) {
     const uint32_t seen = ev.seq.load(std::memory_order_seq_cst);
-    if (ctr.load(std::memory_order_seq_cst) >= target) return;
+    if (ready()) return;
     ev.waiters.fetch_add(1, std::memory_order_seq_cst);
-    if (ctr.load(std::memory_order_seq_cst) >= target) {
+    if (ready()) {
       ev.waiters.fetch_sub(1, std::memory_order_seq_cst);
       return;
     }
-    futexWait(&ev.seq, seen, 2000000L);
+    futexWait(&ev.seq, seen, kSleepNanos);
     ev.waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (ctr.load(std::memory_order_acquire) >= target) return;
+    if (ready()) return;
+    checkPeers(watch, dl, what);
+    if (ready()) return;  // a closing peer may have published just before
     const auto now = Clock::now();
-    if (now - lastAliveCheck > std::chrono::milliseconds(50)) {
-      checkPeerAlive(peer, dl, what);
-      lastAliveCheck = now;
+    if (now - lastAlive > kAliveEvery) {
+      for (int s = 0; s < size_; ++s) {
+        if (s != rank_ && (watch < 0 || watch == s)) checkAlive(s, dl, what);
+      }
+      lastAlive = now;
     }
-    dl.check("rank " + std::to_string(peer) + "'s " + what);
+    dl.check(watch < 0 ? std::string("a ") + what + " from any rank"
+                       : "rank " + std::to_string(watch) + "'s " + what);
   }
+}
+
+void ShmBridge::waitAtLeast(int peer, const std::atomic<uint64_t>& ctr, uint64_t target,
+                            const Deadline& dl, const char* what) {
+  if (ctr.load(std::memory_order_acquire) >= target) return;
+  waitUntil([&] { return ctr.load(std::memory_order_acquire) >= target; }, peers_[peer].hdr->ev,
+            peer, dl, what);
+}
+
+void ShmBridge::beginCall(const Deadline& dl) {
+  TORCH_CHECK(peers_[rank_].hdr != nullptr, "kaitian ", dl.what, ": the bridge is closed");
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
+  for (int s = 0; s < size_; ++s) {
+    if (s != rank_ && peers_[s].hdr->state.load(std::memory_order_acquire) == kBroken) {
+      dl.peerFailed(failureOf(s));
+    }
+  }
+  ++calls_;
+}
+
+void ShmBridge::publishRound(uint64_t t, Kind kind, const Deadline& dl) {
+  auto& slot = peers_[rank_].hdr->slot[t % kSlots];
+  slot.call = calls_;
+  slot.round = t;
+  slot.kind = kind;
+  slot.id = dl.id;
+  // the caller's release store of `pub` publishes this header with the data
+}
+
+void ShmBridge::checkRound(int peer, uint64_t t, Kind kind, const Deadline& dl) {
+  const SlotHeader& h = peers_[peer].hdr->slot[t % kSlots];
+  if (h.id.sameCall(dl.id) && h.call == calls_ && h.round == t && h.kind == kind) return;
+  if (!h.id.sameCall(dl.id)) dl.breakGroup(mismatchText(rank_, dl.id, peer, h.id));
+  dl.breakGroup("rank " + std::to_string(peer) + " is at bridge call " + std::to_string(h.call) +
+                " round " + std::to_string(h.round) + " but this rank at call " +
+                std::to_string(calls_) + " round " + std::to_string(t) + " of " +
+                dl.id.describe() + " (the ranks' op sequences diverged)");
 }
 
 uint64_t ShmBridge::beginRound(const Deadline& dl) {
@@ -305,7 +503,7 @@ std::pair<int, Range> ownerOf(const ReduceSpec& spec, int g, int64_t n, int64_t 
 }  // namespace detail
 
 void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
-  TORCH_CHECK(peers_[rank_].hdr != nullptr, "kaitian ", dl.what, ": the bridge is closed");
+  beginCall(dl);
   const int64_t n = spec.buf.numel();
   const int64_t es = static_cast<int64_t>(spec.buf.element_size());
   const int64_t ce = std::max<int64_t>(1, chunk_ / es);
@@ -324,6 +522,7 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
       const Range r = spec.stripes[s].intersect(chunk);
       if (r.size() == 0) continue;
       waitAtLeast(s, peers_[s].hdr->reduced.v, t + 1, dl, "reduced stripe");
+      checkRound(s, t, kReduce, dl);
       std::memcpy(base + r.begin * es, outArea(s, t) + (r.begin - chunk.begin) * es, r.size() * es);
     }
   };
@@ -342,8 +541,18 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
         std::memcpy(in + (piece.begin - c0) * es, base + piece.begin * es, piece.size() * es);
       }
     }
+    publishRound(t, kReduce, dl);
     hdr->pub.v.store(t + 1, std::memory_order_release);
     signal();
+    if (c0 == 0) {
+      // Every rank checks every peer's first round, so that each of them
+      // raises if any rank is in another collective.
+      for (int s = 0; s < size_; ++s) {
+        if (s == rank_) continue;
+        waitAtLeast(s, peers_[s].hdr->pub.v, t + 1, dl, "arrival");
+        checkRound(s, t, kReduce, dl);
+      }
+    }
     // 2. Reduce our stripe: own partial from buf, other groups' from their owners.
     const Range red = mine.intersect(chunk);
     int64_t x = red.begin;
@@ -355,6 +564,7 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
         auto [owner, stripe] = detail::ownerOf(spec, g, n, x);
         y = std::min(y, stripe.end);
         waitAtLeast(owner, peers_[owner].hdr->pub.v, t + 1, dl, "published data");
+        checkRound(owner, t, kReduce, dl);
         srcs.push_back(inArea(owner, t) + (x - c0) * es);
       }
       spec.reducer(srcs, y - x, base + x * es,
@@ -381,7 +591,7 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
 }
 
 void ShmBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
-  TORCH_CHECK(peers_[rank_].hdr != nullptr, "kaitian ", dl.what, ": the bridge is closed");
+  beginCall(dl);
   const int W = size_;
   auto* hdr = peers_[rank_].hdr;
   // Meta round: every rank publishes its blob length and per-peer offsets/lengths.
@@ -393,37 +603,56 @@ void ShmBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
     meta[1 + W + d] = spec.sendLen[d];
     meta[1 + 2 * W + d] = spec.recvLen[d];
   }
+  publishRound(t, kExchange, dl);
   hdr->pub.v.store(t + 1, std::memory_order_release);
   signal();
-  int64_t maxLen = spec.blobLen;
-  std::vector<int64_t> offFrom(W), lenFrom(W);
-  std::string mismatch;
   std::vector<const int64_t*> metas(W);
   for (int s = 0; s < W; ++s) {
-    if (s != rank_) waitAtLeast(s, peers_[s].hdr->pub.v, t + 1, dl, "arrival");
+    if (s != rank_) {
+      waitAtLeast(s, peers_[s].hdr->pub.v, t + 1, dl, "arrival");
+      checkRound(s, t, kExchange, dl);
+    }
     metas[s] = reinterpret_cast<const int64_t*>(inArea(s, t));
   }
-  for (int s = 0; s < W; ++s) {
-    maxLen = std::max(maxLen, metas[s][0]);
-    offFrom[s] = metas[s][1 + rank_];
-    lenFrom[s] = metas[s][1 + W + rank_];
-    for (int d = 0; d < W && mismatch.empty(); ++d) {
-      const int64_t sent = metas[s][1 + W + d], expected = metas[d][1 + 2 * W + s];
-      if (sent != expected) {
-        mismatch = "rank " + std::to_string(s) + " sends " + std::to_string(sent) +
-                   " bytes to rank " + std::to_string(d) + ", which expects " +
-                   std::to_string(expected) + " bytes";
+  // Every rank checks every rank's plan (so all raise alike): pieces inside the
+  // sender's blob, and what s sends to d is what d expects from s.
+  constexpr int64_t kMaxBlob = int64_t{1} << 48;
+  int64_t maxLen = 0;
+  std::string bad;
+  for (int s = 0; s < W && bad.empty(); ++s) {
+    const int64_t blobLen = metas[s][0];
+    if (blobLen < 0 || blobLen > kMaxBlob) {
+      bad = "rank " + std::to_string(s) + " announced a blob of " + std::to_string(blobLen) +
+            " bytes";
+      break;
+    }
+    maxLen = std::max(maxLen, blobLen);
+    for (int d = 0; d < W && bad.empty(); ++d) {
+      const int64_t off = metas[s][1 + d], len = metas[s][1 + W + d];
+      if (off < 0 || len < 0 || len > blobLen || off > blobLen - len) {
+        bad = "rank " + std::to_string(s) + " announced a piece [" + std::to_string(off) + ", +" +
+              std::to_string(len) + ") outside its " + std::to_string(blobLen) + "-byte blob";
+      } else if (len != metas[d][1 + 2 * W + s]) {
+        bad = "tensor sizes differ between ranks in " + dl.id.describe() + ": rank " +
+              std::to_string(s) + " sends " + std::to_string(len) + " B to rank " +
+              std::to_string(d) + ", which expects " + std::to_string(metas[d][1 + 2 * W + s]) +
+              " B; every rank must pass matching shapes/split sizes";
       }
     }
   }
+  std::vector<int64_t> offFrom(W), lenFrom(W);
+  for (int s = 0; s < W; ++s) {
+    offFrom[s] = metas[s][1 + rank_];
+    lenFrom[s] = metas[s][1 + W + rank_];
+  }
   endRound(t);
-  TORCH_CHECK(mismatch.empty(), "kaitian ", dl.what, ": tensor sizes differ between ranks: ",
-              mismatch, "; every rank must pass matching shapes/split sizes");
+  if (!bad.empty()) dl.breakGroup(bad);
   const int64_t rounds = (maxLen + chunk_ - 1) / chunk_;
   for (int64_t k = 0; k < rounds; ++k) {
     t = beginRound(dl);
     const Range win = Range{k * chunk_, (k + 1) * chunk_}.intersect(Range{0, spec.blobLen});
     if (win.size() > 0) std::memcpy(inArea(rank_, t), spec.blob + win.begin, win.size());
+    publishRound(t, kExchange, dl);
     hdr->pub.v.store(t + 1, std::memory_order_release);
     signal();
     for (int s = 0; s < W; ++s) {
@@ -432,6 +661,7 @@ void ShmBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
           Range{k * chunk_, (k + 1) * chunk_});
       if (need.size() == 0) continue;
       waitAtLeast(s, peers_[s].hdr->pub.v, t + 1, dl, "data");
+      checkRound(s, t, kExchange, dl);
       std::memcpy(spec.recvPtr[s] + (need.begin - offFrom[s]),
                   inArea(s, t) + (need.begin - k * chunk_), need.size());
     }
@@ -444,66 +674,79 @@ void ShmBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
 
 void ShmBridge::send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) {
   TORCH_CHECK(peers_[rank_].hdr != nullptr, "kaitian send: the bridge is closed");
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
   auto* src = static_cast<const uint8_t*>(data);
+  auto& inbox = peers_[rank_].hdr->inbox;
   int64_t off = 0;
   do {
     auto& sent = p2pSent(rank_, dst);
     const uint64_t seq = sent.load(std::memory_order_relaxed);
-    waitAtLeast(dst, p2pAck(dst, rank_), seq, dl, "receive");
+    auto& ack = p2pAck(dst, rank_);
+    waitUntil([&] { return ack.load(std::memory_order_acquire) >= seq; }, inbox, dst, dl,
+              "receive");
     const int64_t len = std::min(mailbox_, bytes - off);
-    auto* box = mailbox(rank_, dst);
-    auto* h = reinterpret_cast<MsgHeader*>(box);
+    auto* h = boxHeader(peers_[rank_].hdr, dst);
+    h->seq = seq + 1;
     h->tag = tag;
     h->total = bytes;
     h->offset = off;
     h->len = len;
-    if (len > 0) std::memcpy(box + kMsgHeader, src + off, len);
+    if (len > 0) std::memcpy(mailbox(rank_, dst), src + off, len);
     sent.store(seq + 1, std::memory_order_release);
-    signal();
+    ring(dst);
     off += len;
   } while (off < bytes);
 }
 
 int ShmBridge::recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) {
   TORCH_CHECK(peers_[rank_].hdr != nullptr, "kaitian recv: the bridge is closed");
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
+  auto& inbox = peers_[rank_].hdr->inbox;
+  auto pending = [&](int s) {
+    return p2pSent(s, rank_).load(std::memory_order_acquire) >
+           p2pAck(rank_, s).load(std::memory_order_relaxed);
+  };
   if (src < 0) {
-    // Any source: poll the mailboxes (no single futex to sleep on).
-    auto lastAlive = Clock::now();
-    for (int spin = 0; src < 0; ++spin) {
-      for (int s = 0; s < size_ && src < 0; ++s) {
-        if (s == rank_) continue;
-        if (p2pSent(s, rank_).load(std::memory_order_acquire) >
-            p2pAck(rank_, s).load(std::memory_order_relaxed)) {
-          src = s;
-        }
-      }
-      if (src >= 0) break;
-      if (spin > 1000) {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-        dl.check("a message from any rank");
-      }
-      if (Clock::now() - lastAlive > std::chrono::milliseconds(200)) lastAlive = Clock::now();
-    }
+    // Any source: sleep on our inbox word, which every sender rings.
+    waitUntil(
+        [&] {
+          for (int s = 0; s < size_ && src < 0; ++s) {
+            if (s != rank_ && pending(s)) src = s;
+          }
+          return src >= 0;
+        },
+        inbox, -1, dl, "message");
   }
   auto* out = static_cast<uint8_t*>(data);
+  const std::string from = "rank " + std::to_string(src);
   int64_t off = 0;
   do {
     auto& ack = p2pAck(rank_, src);
     const uint64_t seq = ack.load(std::memory_order_relaxed);
-    waitAtLeast(src, p2pSent(src, rank_), seq + 1, dl, "send");
-    auto* box = mailbox(src, rank_);
-    const auto* h = reinterpret_cast<const MsgHeader*>(box);
-    TORCH_CHECK(h->tag == tag, "kaitian recv: the next message from rank ", src, " has tag ",
-                h->tag, " but recv expects tag ", tag,
-                "; kaitian delivers messages between two ranks in order, so post receives in "
-                "the order the sends were issued");
-    TORCH_CHECK(h->total == bytes, "kaitian recv: rank ", src, " sent ", h->total,
-                " bytes but the receive tensor holds ", bytes,
-                " bytes; use the same shape and dtype on both sides");
-    if (h->len > 0) std::memcpy(out + h->offset, box + kMsgHeader, h->len);
-    off = h->offset + h->len;
+    waitUntil([&] { return pending(src); }, inbox, src, dl, "send");
+    const MsgHeader h = *boxHeader(peers_[src].hdr, rank_);
+    if (h.seq != seq + 1 || h.offset != off || h.len < 0 || h.len > mailbox_ ||
+        h.len > h.total - h.offset || (h.len == 0 && h.total != 0)) {
+      dl.breakGroup(from + " sent a malformed message (piece " + std::to_string(h.seq) +
+                    ", offset " + std::to_string(h.offset) + ", " + std::to_string(h.len) +
+                    " B) where piece " + std::to_string(seq + 1) + " at offset " +
+                    std::to_string(off) + " was due");
+    }
+    if (h.tag != tag) {
+      dl.breakGroup("the next message from " + from + " has tag " + std::to_string(h.tag) +
+                    " but recv expects tag " + std::to_string(tag) +
+                    "; kaitian delivers messages between two ranks in order, so post receives "
+                    "in the order the sends were issued");
+    }
+    if (h.total != bytes) {
+      dl.breakGroup(from + " sent " + std::to_string(h.total) +
+                    " bytes but the receive tensor holds " + std::to_string(bytes) +
+                    " bytes; use the same shape and dtype on both sides");
+    }
+    if (h.len > 0) std::memcpy(out + h.offset, mailbox(src, rank_), h.len);
+    off = h.offset + h.len;
     ack.store(seq + 1, std::memory_order_release);
-    signal();
+    ring(src);
   } while (off < bytes);
   return src;
 }

@@ -1,24 +1,33 @@
-// Same-host bridge over POSIX shared memory. Each rank owns one segment (control
-// counters, two double-buffered chunk slots, one mailbox per peer) and maps every
-// peer's segment. Segments are unlinked as soon as every peer has mapped them.
+// Same-host bridge over POSIX shared memory. Each rank owns one segment: a
+// header (counters, event words, heartbeat, fail-stop state, the identity of
+// every chunk slot and mailbox), kSlots chunk slots for collectives and a p2p
+// mailbox area of about one chunk split between the peers, so a rank's segment
+// is O(chunk) whatever the world size. Every rank maps every peer's segment
+// (lazily: only the pages it reads are faulted in). Segments are unlinked as
+// soon as every peer has mapped them.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "bridge.hpp"
 
 namespace kaitian {
 
 struct ShmSegmentHeader;
+struct ShmEventWord;
 
 class ShmBridge : public Bridge {
  public:
   // `store` is where peers meet (a FileStore in the run directory); `name` is this
-  // rank's segment name, unique per process group instance (it carries the pid so
-  // a later start can collect it if this process is killed before unlinking); `pids[r]` is rank r's pid when it
-  // shares our pid namespace (else -1), used to report a dead peer early.
+  // rank's segment name, unique and unguessable per process group instance (it
+  // carries the pid so a later start can collect it if this process is killed
+  // before unlinking); `pids[r]` is rank r's pid when it shares our pid
+  // namespace (else -1: its heartbeat tells whether it lives).
   ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const std::string& name,
             int64_t chunkBytes, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
             int64_t spinMicros);
@@ -29,25 +38,48 @@ class ShmBridge : public Bridge {
   void exchange(const ExchangeSpec& spec, const Deadline& dl) override;
   void send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) override;
   int recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) override;
+  void poison(const std::string& firstFailure) override;
   std::vector<std::pair<uintptr_t, int64_t>> regions() const override;
   void close() override;
+
+  // Bytes of one rank's segment for this world size and chunk (for docs/bench).
+  static int64_t segmentBytes(int size, int64_t chunkBytes);
 
  private:
   struct Peer {
     uint8_t* base = nullptr;
     ShmSegmentHeader* hdr = nullptr;
   };
+  struct Beat {  // the last heartbeat value seen from a peer, and when
+    uint64_t value = 0;
+    Clock::time_point seen;
+  };
+  enum Kind : int32_t { kReduce = 1, kExchange = 2 };
+
   uint8_t* inArea(int r, uint64_t round) const;
   uint8_t* outArea(int r, uint64_t round) const;
   uint8_t* mailbox(int owner, int dst) const;
   std::atomic<uint64_t>& p2pSent(int owner, int dst) const;
   std::atomic<uint64_t>& p2pAck(int owner, int src) const;
   void signal();
+  void ring(int r);  // wakes rank r's p2p waiters
+  // Waits until `ready()` holds, sleeping on `ev`; between sleeps checks the
+  // deadline, the peers' fail-stop state and the liveness of `watch` (a rank,
+  // or -1 for every peer).
+  template <typename Ready>
+  void waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadline& dl, const char* what);
   void waitAtLeast(int peer, const std::atomic<uint64_t>& ctr, uint64_t target,
                    const Deadline& dl, const char* what);
-  void checkPeerAlive(int peer, const Deadline& dl, const char* what);
+  void checkPeers(int watch, const Deadline& dl, const char* what);
+  void checkAlive(int peer, const Deadline& dl, const char* what);
+  std::string failureOf(int peer) const;
+  // Collective calls: identity of each round, checked by the readers.
+  void beginCall(const Deadline& dl);
+  void publishRound(uint64_t t, Kind kind, const Deadline& dl);
+  void checkRound(int peer, uint64_t t, Kind kind, const Deadline& dl);
   uint64_t beginRound(const Deadline& dl);
   void endRound(uint64_t t);
+  void heartbeatLoop();
 
   int rank_, size_;
   int64_t chunk_, mailbox_;
@@ -57,7 +89,17 @@ class ShmBridge : public Bridge {
   std::string myName_;
   bool unlinked_ = false;
   uint64_t round_ = 0;  // collective rounds done; identical on every rank
+  uint64_t calls_ = 0;  // collective bridge calls done; identical on every rank
   int64_t spinMicros_;  // spin before sleeping on a futex (KAITIAN_SPIN_US)
+  std::chrono::milliseconds deadAfter_;  // a heartbeat this old means dead
+  std::mutex beatMu_;
+  std::vector<Beat> beats_;
+  std::atomic<bool> poisoned_{false};
+  // The heartbeat thread (a counter in our header, bumped every 100 ms).
+  std::mutex hbMu_;
+  std::condition_variable hbCv_;
+  bool hbStop_ = false;
+  std::thread hbThread_;
 };
 
 }  // namespace kaitian

@@ -19,29 +19,26 @@
 
 namespace kaitian {
 
+// Every message on a bridge socket starts with a frame header: the receiver
+// checks it (identity, sequence, length) before it reads the payload.
+constexpr uint64_t kFrameMagic = 0x3146524b54494b41ULL;  // "AKITKRF1"
+enum TcpFrameKind : int32_t { kData = 1, kP2P = 2, kAbort = 3 };
+struct TcpFrame {
+  uint64_t magic;
+  int32_t kind;
+  int32_t phase;   // collectives: 0 exchange, 1 reduce scatter, 2 reduce gather
+  uint64_t call;   // collective bridge call / point-to-point message number
+  int64_t len;     // payload bytes that follow
+  int64_t other;   // exchange: bytes the sender expects back; p2p: the tag
+  OpId id;
+};
+static_assert(sizeof(TcpFrame) == 80, "Frame is a wire format");
+
 namespace {
+using Frame = TcpFrame;
 
-struct Hello {
-  int32_t rank;
-  int32_t channel;  // 0 collectives, 1 point-to-point
-};
-
-struct P2PHeader {
-  int64_t tag;
-  int64_t bytes;
-};
 
 std::string errnoText() { return std::strerror(errno); }
-
-void setNonBlocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
-
-void tune(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  int buf = 4 << 20;
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
-}
 
 int pollTimeoutMs(const Deadline& dl) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(dl.at - Clock::now());
@@ -75,77 +72,11 @@ void ioAll(int fd, uint8_t* p, int64_t n, bool isSend, int peer, const Deadline&
 }  // namespace
 
 TcpBridge::TcpBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                     const std::string& host, std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), coll_(size, -1), p2p_(size, -1) {
-  const auto dl = Deadline::after(timeout, "TCP bridge setup", nullptr);
-  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(lfd >= 0, "kaitian: cannot create a TCP socket: ", errnoText());
-  try {
-    int one = 1;
-    ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = 0;
-    TORCH_CHECK(::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1,
-                "kaitian: TCP bridge address ", host, " is not an IPv4 address");
-    TORCH_CHECK(::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0,
-                "kaitian: cannot listen on ", host, ": ", errnoText());
-    TORCH_CHECK(::listen(lfd, 2 * size + 8) == 0, "kaitian: listen failed: ", errnoText());
-    socklen_t len = sizeof(addr);
-    ::getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len);
-    const std::string me = host + ":" + std::to_string(ntohs(addr.sin_port));
-    store->set("kaitian/tcp/" + std::to_string(rank), std::vector<uint8_t>(me.begin(), me.end()));
-    // Connect to lower ranks (their listen backlog accepts before they call accept).
-    for (int s = 0; s < rank; ++s) {
-      const std::string key = "kaitian/tcp/" + std::to_string(s);
-      store->wait({key}, timeout);
-      auto raw = store->get(key);
-      const std::string peer(raw.begin(), raw.end());
-      const auto colon = peer.rfind(':');
-      sockaddr_in pa{};
-      pa.sin_family = AF_INET;
-      pa.sin_port = htons(static_cast<uint16_t>(std::stoi(peer.substr(colon + 1))));
-      ::inet_pton(AF_INET, peer.substr(0, colon).c_str(), &pa.sin_addr);
-      for (int channel = 0; channel < 2; ++channel) {
-        int fd = -1;
-        while (true) {
-          fd = ::socket(AF_INET, SOCK_STREAM, 0);
-          if (::connect(fd, reinterpret_cast<sockaddr*>(&pa), sizeof(pa)) == 0) break;
-          ::close(fd);
-          if (dl.expired()) {
-            TORCH_CHECK(false, "kaitian: cannot connect to rank ", s, " at ", peer, ": ",
-                        errnoText(), " (firewall? set KAITIAN_BRIDGE_ADDR to a reachable address)");
-          }
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        tune(fd);
-        Hello h{rank, channel};
-        TORCH_CHECK(::send(fd, &h, sizeof(h), MSG_NOSIGNAL) == sizeof(h),
-                    "kaitian: handshake with rank ", s, " failed");
-        (channel == 0 ? coll_ : p2p_)[s] = fd;
-      }
-    }
-    // Accept higher ranks.
-    for (int pending = 2 * (size - 1 - rank); pending > 0; --pending) {
-      struct pollfd pfd{lfd, POLLIN, 0};
-      while (::poll(&pfd, 1, pollTimeoutMs(dl)) <= 0) dl.check("peers to connect");
-      const int fd = ::accept(lfd, nullptr, nullptr);
-      TORCH_CHECK(fd >= 0, "kaitian: accept failed: ", errnoText());
-      tune(fd);
-      Hello h{};
-      TORCH_CHECK(::recv(fd, &h, sizeof(h), MSG_WAITALL) == sizeof(h) && h.rank > rank &&
-                      h.rank < size && (h.channel == 0 || h.channel == 1),
-                  "kaitian: unexpected connection on the TCP bridge port");
-      (h.channel == 0 ? coll_ : p2p_)[h.rank] = fd;
-    }
-    ::close(lfd);
-  } catch (...) {
-    ::close(lfd);
-    close();
-    throw;
-  }
-  for (int fd : coll_) if (fd >= 0) setNonBlocking(fd);
-  for (int fd : p2p_) if (fd >= 0) setNonBlocking(fd);
+                     const MeshOptions& opts, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size) {
+  Mesh mesh = connectMesh(*store, rank, size, opts, timeout);
+  coll_ = std::move(mesh.coll);
+  p2p_ = std::move(mesh.p2p);
 }
 
 TcpBridge::~TcpBridge() { close(); }
@@ -162,11 +93,32 @@ void TcpBridge::close() {
   }
 }
 
-void TcpBridge::transfer(const std::vector<Transfer>& sends, const std::vector<Transfer>& recvs,
+// Moves every send and receive concurrently (poll), in list order per peer. A
+// receive's `done` runs as soon as it completed (it checks a frame header
+// before the payload behind it is read). On return or throw, records which
+// peers' outgoing streams stand at a frame boundary (see poison()).
+void TcpBridge::transfer(std::vector<Transfer> sends, std::vector<Transfer> recvs,
                          const std::vector<int>& fds, const Deadline& dl) {
+  std::lock_guard<std::mutex> lock(collMu_);
+  if (collClean_.empty()) collClean_.assign(size_, 1);
   std::vector<std::deque<Transfer>> out(size_), in(size_);
-  for (const auto& t : sends) if (t.bytes > 0) out[t.peer].push_back(t);
-  for (const auto& t : recvs) if (t.bytes > 0) in[t.peer].push_back(t);
+  for (auto& t : sends) {
+    if (t.bytes > 0) {
+      t.orig = t.bytes;
+      out[t.peer].push_back(std::move(t));
+    }
+  }
+  for (auto& t : recvs) if (t.bytes > 0) in[t.peer].push_back(std::move(t));
+  struct Boundary {  // runs however transfer() exits
+    TcpBridge* self;
+    std::vector<std::deque<Transfer>>& out;
+    ~Boundary() {
+      for (int p = 0; p < self->size_; ++p) {
+        const auto& q = out[p];
+        self->collClean_[p] = q.empty() || (q.front().frameStart && q.front().bytes == q.front().orig);
+      }
+    }
+  } boundary{this, out};
   std::vector<struct pollfd> pfds;
   std::vector<int> peerOf;
   while (true) {
@@ -192,9 +144,8 @@ void TcpBridge::transfer(const std::vector<Transfer>& sends, const std::vector<T
           const ssize_t k = ::send(fds[p], t.ptr, t.bytes, MSG_NOSIGNAL);
           if (k < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-            C10_THROW_ERROR(DistBackendError, "kaitian " + dl.what + ": sending to rank " +
-                                                  std::to_string(p) + " failed: " + errnoText() +
-                                                  " (did it exit?)");
+            dl.breakGroup("sending to rank " + std::to_string(p) + " failed: " + errnoText() +
+                          " (it exited, crashed, or its process group broke)");
           }
           t.ptr += k;
           t.bytes -= k;
@@ -206,19 +157,21 @@ void TcpBridge::transfer(const std::vector<Transfer>& sends, const std::vector<T
           auto& t = in[p].front();
           const ssize_t k = ::recv(fds[p], t.ptr, t.bytes, 0);
           if (k == 0) {
-            C10_THROW_ERROR(DistBackendError, "kaitian " + dl.what + ": rank " +
-                                                  std::to_string(p) +
-                                                  " closed its connection (it exited or crashed)");
+            dl.breakGroup("rank " + std::to_string(p) +
+                          " closed its connection (it exited, crashed, or its process group "
+                          "broke)");
           }
           if (k < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-            C10_THROW_ERROR(DistBackendError, "kaitian " + dl.what + ": receiving from rank " +
-                                                  std::to_string(p) + " failed: " + errnoText() +
-                                                  " (it exited or crashed?)");
+            dl.breakGroup("receiving from rank " + std::to_string(p) + " failed: " +
+                          errnoText() + " (it exited or crashed?)");
           }
           t.ptr += k;
           t.bytes -= k;
-          if (t.bytes == 0) in[p].pop_front();
+          if (t.bytes == 0) {
+            if (t.done) t.done();
+            in[p].pop_front();
+          }
         }
       }
     }
@@ -229,7 +182,54 @@ void TcpBridge::transfer(const std::vector<Transfer>& sends, const std::vector<T
   }
 }
 
+void TcpBridge::checkFrame(const Frame& f, int peer, int fd, int32_t kind, uint64_t call,
+                           int32_t phase, const Deadline& dl) {
+  const std::string from = "rank " + std::to_string(peer);
+  if (f.magic != kFrameMagic) {
+    dl.breakGroup(from + " sent bytes that are not a kaitian frame (protocol error)");
+  }
+  if (f.kind == kAbort) {
+    // The peer's group broke; its first failure follows (bounded).
+    if (f.len < 0 || f.len > static_cast<int64_t>(kMaxFailureText)) {
+      dl.breakGroup(from + " sent an abort frame of " + std::to_string(f.len) + " bytes");
+    }
+    std::string text(static_cast<size_t>(f.len), '\0');
+    try {
+      auto quick = dl;
+      quick.at = std::min(dl.at, Clock::now() + std::chrono::seconds(2));
+      quick.fail = nullptr;
+      ioAll(fd, reinterpret_cast<uint8_t*>(text.data()), f.len, false, peer, quick);
+    } catch (const std::exception&) {
+      text = from + " reported an error";
+    }
+    for (auto& c : text) if (c < 32 || c > 126) c = '?';
+    dl.peerFailed(text);
+  }
+  if (f.kind != kind) {
+    dl.breakGroup(from + " sent a " + (f.kind == kP2P ? "point-to-point" : "collective") +
+                  " frame on the " + (kind == kP2P ? "point-to-point" : "collective") +
+                  " connection (protocol error)");
+  }
+  if (kind == kData) {
+    if (!f.id.sameCall(dl.id)) dl.breakGroup(mismatchText(rank_, dl.id, peer, f.id));
+    if (f.call != call || f.phase != phase) {
+      dl.breakGroup(from + " is at bridge call " + std::to_string(f.call) + " phase " +
+                    std::to_string(f.phase) + " but this rank at call " + std::to_string(call) +
+                    " phase " + std::to_string(phase) + " of " + dl.id.describe() +
+                    " (the ranks' op sequences diverged)");
+    }
+  }
+}
+
+namespace {
+Frame dataFrame(int32_t phase, uint64_t call, int64_t len, int64_t other, const OpId& id) {
+  return Frame{kFrameMagic, kData, phase, call, len, other, id};
+}
+}  // namespace
+
 void TcpBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
+  const uint64_t call = ++calls_;
   const int64_t n = spec.buf.numel();
   const int64_t es = static_cast<int64_t>(spec.buf.element_size());
   auto* base = static_cast<uint8_t*>(spec.buf.data_ptr());
@@ -241,16 +241,12 @@ void TcpBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
   };
   const Range mine = spec.stripes[rank_];
   const Range myPub = pubRange(rank_);
-  std::vector<Transfer> sends, recvs;
-  for (int s = 0; s < size_; ++s) {
-    if (s == rank_ || spec.groupOf[s] == myG) continue;
-    const Range r = myPub.intersect(spec.stripes[s]);
-    sends.push_back({s, base + r.begin * es, r.size() * es});
-  }
   // One temporary per other source group, filled by that group's owners.
   const int G = static_cast<int>(spec.groups.size());
   at::Tensor temps = at::empty({std::max(G - 1, 0), mine.size()}, spec.buf.options());
   std::vector<const void*> srcs{base + mine.begin * es};
+  std::vector<uint8_t*> into(size_, nullptr);  // where owner o's piece of our stripe goes
+  std::vector<int64_t> fromLen(size_, 0);
   int row = 0;
   for (int g = 0; g < G; ++g) {
     if (g == myG) continue;
@@ -259,55 +255,90 @@ void TcpBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
     ++row;
     for (int o : spec.groups[g]) {
       const Range r = pubRange(o).intersect(mine);
-      recvs.push_back({o, t + (r.begin - mine.begin) * es, r.size() * es});
+      into[o] = t + (r.begin - mine.begin) * es;
+      fromLen[o] = r.size() * es;
     }
   }
-  transfer(sends, recvs, coll_, dl);
-  spec.reducer(srcs, mine.size(), base + mine.begin * es, nullptr);
-  if (spec.gather) {
+  // Phase 1: every peer gets a frame (so every rank checks every rank's call),
+  // with the part of our partial that its stripe needs.
+  std::vector<Frame> outF(size_), inF(size_);
+  std::vector<Transfer> sends, recvs;
+  auto frames = [&](int32_t phase, auto sendOf, auto recvOf) {
     sends.clear();
     recvs.clear();
-    for (int s = 0; s < size_; ++s) {
-      if (s == rank_) continue;
-      sends.push_back({s, base + mine.begin * es, mine.size() * es});
-      const Range r = spec.stripes[s];
-      recvs.push_back({s, base + r.begin * es, r.size() * es});
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      auto [sp, sl] = sendOf(p);
+      auto [rp, rl] = recvOf(p);
+      outF[p] = dataFrame(phase, call, sl, 0, dl.id);
+      sends.push_back({p, reinterpret_cast<uint8_t*>(&outF[p]), sizeof(Frame), {}, true});
+      sends.push_back({p, sp, sl});
+      const int fd = coll_[p];
+      const int64_t want = rl;
+      recvs.push_back({p, reinterpret_cast<uint8_t*>(&inF[p]), sizeof(Frame),
+                       [this, &inF, p, fd, call, phase, want, &dl] {
+                         checkFrame(inF[p], p, fd, kData, call, phase, dl);
+                         if (inF[p].len != want) {
+                           dl.breakGroup("rank " + std::to_string(p) + " announced " +
+                                         std::to_string(inF[p].len) + " B where " +
+                                         std::to_string(want) + " B of " + dl.id.describe() +
+                                         " were due (protocol error)");
+                         }
+                       }});
+      recvs.push_back({p, rp, rl});
     }
-    transfer(sends, recvs, coll_, dl);
+    transfer(std::move(sends), std::move(recvs), coll_, dl);
+  };
+  using Piece = std::pair<uint8_t*, int64_t>;
+  frames(
+      1,
+      [&](int p) -> Piece {
+        if (spec.groupOf[p] == myG) return {nullptr, 0};
+        const Range r = myPub.intersect(spec.stripes[p]);
+        return {base + r.begin * es, r.size() * es};
+      },
+      [&](int p) -> Piece { return {into[p], fromLen[p]}; });
+  spec.reducer(srcs, mine.size(), base + mine.begin * es, nullptr);
+  if (spec.gather) {
+    frames(
+        2, [&](int) -> Piece { return {base + mine.begin * es, mine.size() * es}; },
+        [&](int p) -> Piece {
+          const Range r = spec.stripes[p];
+          return {base + r.begin * es, r.size() * es};
+        });
   }
 }
 
 void TcpBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
-  // Lengths first (also makes this a barrier), then the data.
-  std::vector<int64_t> announced(size_, 0), mine(spec.sendLen);
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
+  const uint64_t call = ++calls_;
+  // One frame per peer: what we send it (and what we expect back), then the data.
+  std::vector<Frame> outF(size_), inF(size_);
   std::vector<Transfer> sends, recvs;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
-    sends.push_back({p, reinterpret_cast<uint8_t*>(&mine[p]), 8});
-    recvs.push_back({p, reinterpret_cast<uint8_t*>(&announced[p]), 8});
-  }
-  transfer(sends, recvs, coll_, dl);
-  sends.clear();
-  recvs.clear();
-  std::string mismatch;
-  std::vector<at::Tensor> scratch;
-  for (int p = 0; p < size_; ++p) {
-    if (p == rank_) continue;
+    outF[p] = dataFrame(0, call, spec.sendLen[p], spec.recvLen[p], dl.id);
+    sends.push_back({p, reinterpret_cast<uint8_t*>(&outF[p]), sizeof(Frame), {}, true});
     sends.push_back({p, const_cast<uint8_t*>(spec.blob) + spec.sendOff[p], spec.sendLen[p]});
-    if (announced[p] == spec.recvLen[p]) {
-      recvs.push_back({p, spec.recvPtr[p], spec.recvLen[p]});
-    } else {
-      if (mismatch.empty()) {
-        mismatch = "rank " + std::to_string(p) + " sends " + std::to_string(announced[p]) +
-                   " bytes, this rank expects " + std::to_string(spec.recvLen[p]);
-      }
-      scratch.push_back(at::empty({announced[p]}, at::kByte));
-      recvs.push_back({p, static_cast<uint8_t*>(scratch.back().data_ptr()), announced[p]});
-    }
+    const int fd = coll_[p];
+    recvs.push_back({p, reinterpret_cast<uint8_t*>(&inF[p]), sizeof(Frame),
+                     [this, &inF, &spec, p, fd, call, &dl] {
+                       checkFrame(inF[p], p, fd, kData, call, 0, dl);
+                       const Frame& f = inF[p];
+                       auto sizes = [&](int s, int d, int64_t sent, int64_t expected) {
+                         dl.breakGroup("tensor sizes differ between ranks in " +
+                                       dl.id.describe() + ": rank " + std::to_string(s) +
+                                       " sends " + std::to_string(sent) + " B to rank " +
+                                       std::to_string(d) + ", which expects " +
+                                       std::to_string(expected) +
+                                       " B; every rank must pass matching shapes/split sizes");
+                       };
+                       if (f.len != spec.recvLen[p]) sizes(p, rank_, f.len, spec.recvLen[p]);
+                       if (f.other != spec.sendLen[p]) sizes(rank_, p, spec.sendLen[p], f.other);
+                     }});
+    recvs.push_back({p, spec.recvPtr[p], spec.recvLen[p]});
   }
-  transfer(sends, recvs, coll_, dl);
-  TORCH_CHECK(mismatch.empty(), "kaitian ", dl.what, ": tensor sizes differ between ranks: ",
-              mismatch, "; every rank must pass matching shapes/split sizes");
+  transfer(std::move(sends), std::move(recvs), coll_, dl);
   if (spec.sendLen[rank_] > 0 && spec.recvPtr[rank_] != spec.blob + spec.sendOff[rank_]) {
     std::memmove(spec.recvPtr[rank_], spec.blob + spec.sendOff[rank_], spec.sendLen[rank_]);
   }
@@ -316,15 +347,23 @@ void TcpBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
 void TcpBridge::send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) {
   TORCH_CHECK(dst != rank_, "kaitian send: sending to yourself is not supported over TCP");
   TORCH_CHECK(p2p_[dst] >= 0, "kaitian send: the TCP bridge is closed");
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
   std::lock_guard<std::mutex> lock(sendMu_);
-  P2PHeader h{tag, bytes};
-  ioAll(p2p_[dst], reinterpret_cast<uint8_t*>(&h), sizeof(h), true, dst, dl);
+  if (p2pClean_.empty()) p2pClean_.assign(size_, 1);
+  if (p2pSent_.empty()) p2pSent_.assign(size_, 0);
+  Frame f{kFrameMagic, kP2P, 0, ++p2pSent_[dst], bytes, tag, dl.id};
+  p2pClean_[dst] = 0;  // until the whole message is out
+  ioAll(p2p_[dst], reinterpret_cast<uint8_t*>(&f), sizeof(f), true, dst, dl);
   ioAll(p2p_[dst], static_cast<uint8_t*>(const_cast<void*>(data)), bytes, true, dst, dl);
+  p2pClean_[dst] = 1;
 }
 
 int TcpBridge::recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) {
   TORCH_CHECK(src != rank_, "kaitian recv: receiving from yourself is not supported over TCP");
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
   while (src < 0) {
+    // Any source: sleep in poll() on every peer's connection (a dead peer's
+    // closes, which wakes us too).
     std::vector<struct pollfd> pfds;
     std::vector<int> peers;
     for (int p = 0; p < size_; ++p) {
@@ -340,15 +379,71 @@ int TcpBridge::recv(int src, void* data, int64_t bytes, int tag, const Deadline&
     if (src < 0) dl.check("a message from any rank");
   }
   TORCH_CHECK(p2p_[src] >= 0, "kaitian recv: the TCP bridge is closed");
-  P2PHeader h{};
-  ioAll(p2p_[src], reinterpret_cast<uint8_t*>(&h), sizeof(h), false, src, dl);
-  TORCH_CHECK(h.tag == tag, "kaitian recv: the next message from rank ", src, " has tag ", h.tag,
-              " but recv expects tag ", tag,
-              "; kaitian delivers messages between two ranks in order");
-  TORCH_CHECK(h.bytes == bytes, "kaitian recv: rank ", src, " sent ", h.bytes,
-              " bytes but the receive tensor holds ", bytes, " bytes");
+  if (p2pRecvd_.empty()) p2pRecvd_.assign(size_, 0);  // the receive thread only
+  Frame f{};
+  ioAll(p2p_[src], reinterpret_cast<uint8_t*>(&f), sizeof(f), false, src, dl);
+  checkFrame(f, src, p2p_[src], kP2P, 0, 0, dl);
+  const std::string from = "rank " + std::to_string(src);
+  if (f.call != p2pRecvd_[src] + 1) {
+    dl.breakGroup(from + " sent message " + std::to_string(f.call) + " where message " +
+                  std::to_string(p2pRecvd_[src] + 1) + " was due (protocol error)");
+  }
+  if (f.other != tag) {
+    dl.breakGroup("the next message from " + from + " has tag " + std::to_string(f.other) +
+                  " but recv expects tag " + std::to_string(tag) +
+                  "; kaitian delivers messages between two ranks in order");
+  }
+  if (f.len != bytes) {
+    dl.breakGroup(from + " sent " + std::to_string(f.len) + " bytes but the receive tensor holds " +
+                  std::to_string(bytes) + " bytes; use the same shape and dtype on both sides");
+  }
   ioAll(p2p_[src], static_cast<uint8_t*>(data), bytes, false, src, dl);
+  ++p2pRecvd_[src];
   return src;
+}
+
+void TcpBridge::poison(const std::string& firstFailure) {
+  {
+    std::lock_guard<std::mutex> lock(poisonMu_);
+    if (poisonText_.empty()) poisonText_ = firstFailure.substr(0, kMaxFailureText);
+  }
+  abortChannel(coll_, collMu_, collClean_, collAborted_);
+  abortChannel(p2p_, sendMu_, p2pClean_, p2pAborted_);
+}
+
+// Sends an abort frame (with the first failure) on every connection of one
+// channel whose outgoing stream stands at a frame boundary, then shuts the
+// sending side: peers reading from us get the text, or at least EOF. Skipped
+// while the channel's thread is inside a transfer; that thread finds the group
+// broken within 100 ms and calls poison() again from its error path.
+void TcpBridge::abortChannel(const std::vector<int>& fds, std::mutex& mu,
+                             std::vector<char>& clean, bool& aborted) {
+  std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
+  if (!lock.owns_lock() || aborted) return;
+  aborted = true;
+  std::string text;
+  {
+    std::lock_guard<std::mutex> plock(poisonMu_);
+    text = poisonText_;
+  }
+  Frame f{kFrameMagic, kAbort, 0, 0, static_cast<int64_t>(text.size()), 0, OpId{}};
+  std::string msg(reinterpret_cast<const char*>(&f), sizeof(f));
+  msg += text;
+  for (int p = 0; p < size_; ++p) {
+    const int fd = fds[p];
+    if (fd < 0) continue;
+    if (clean.empty() || clean[p]) {
+      // Best effort and never blocking: a peer that does not read gets EOF later.
+      size_t off = 0;
+      while (off < msg.size()) {
+        const ssize_t k =
+            ::send(fd, msg.data() + off, msg.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k <= 0) break;
+        off += static_cast<size_t>(k);
+      }
+    }
+    ::shutdown(fd, SHUT_WR);
+  }
 }
 
 }  // namespace kaitian

@@ -74,18 +74,65 @@ def _timeout_of(opts) -> timedelta:
     return t if isinstance(t, timedelta) else timedelta(seconds=float(t))
 
 
-def _shared_token(store, rank: int, timeout: timedelta) -> str:
-    """A random token, the same on every rank, naming this group instance's files."""
+def _shared_random(store, rank: int, key: str, nbytes: int, timeout: timedelta) -> str:
+    """Random hex that rank 0 makes and every rank of the group reads from its store."""
     if rank == 0:
-        store.set("kaitian/token", secrets.token_hex(6))
-    store.wait(["kaitian/token"], timeout)
-    return store.get("kaitian/token").decode()
+        store.set(key, secrets.token_hex(nbytes))
+    store.wait([key], timeout)
+    return store.get(key).decode()
+
+
+_KEY_GIVEN = "given"  # what rank 0 publishes instead of a key when KAITIAN_JOB_KEY is set
+
+
+def _bridge_key(store, rank: int, s: Settings, timeout: timedelta) -> bytes:
+    """The secret TCP bridge peers prove they hold.
+
+    ``KAITIAN_JOB_KEY`` (from the user, the scheduler or kaitianrun) is never
+    written anywhere; rank 0 only says that it has one, so a rank without it
+    fails with a clear line. Without it (plain torchrun) rank 0 makes a key per
+    group and shares it through the group's store: then whoever can read that
+    store can join.
+    """
+    key = "kaitian/bridge_key"
+    if rank == 0:
+        store.set(key, _KEY_GIVEN if s.job_key else secrets.token_hex(32))
+    store.wait([key], timeout)
+    shared = store.get(key).decode()
+    if (shared == _KEY_GIVEN) != bool(s.job_key):
+        has, lacks = ("rank 0", "this rank") if shared == _KEY_GIVEN else ("this rank", "rank 0")
+        raise BackendSetupError(
+            f"KAITIAN_JOB_KEY is set on {has} but not on {lacks}; "
+            "set the same KAITIAN_JOB_KEY on every rank, or on none"
+        )
+    return (s.job_key or shared).encode()
+
+
+def _check_private_dir(path: str) -> None:
+    """Refuses a run dir someone else could plant a forged file store in."""
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise BackendSetupError(
+            f"KAITIAN_RUN_DIR={path} belongs to uid {st.st_uid}, not to this process "
+            f"(uid {os.geteuid()}); point KAITIAN_RUN_DIR at a directory of your own"
+        )
+    if st.st_mode & 0o022:
+        raise BackendSetupError(
+            f"KAITIAN_RUN_DIR={path} is writable by other users (mode {st.st_mode & 0o777:04o}); "
+            "chmod 700 it or point KAITIAN_RUN_DIR at a private directory"
+        )
+
+
+def _owner_only_file(path: str) -> None:
+    """Creates ``path`` mode 0600 unless it exists (c10d's FileStore would make it 0644)."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
 
 def _run_dir(store, rank: int, s: Settings, timeout: timedelta) -> tuple:
     """The directory where peers meet; (path, whether we made it privately)."""
     if s.run_dir:
         os.makedirs(s.run_dir, mode=0o700, exist_ok=True)
+        _check_private_dir(s.run_dir)
         return s.run_dir, False
     if rank == 0:
         path = tempfile.mkdtemp(prefix="kaitian-run-")  # owner-only (0700)
@@ -152,7 +199,7 @@ def create_kaitian_backend(dist_opts, backend_options=None):
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     timeout = _timeout_of(dist_opts)
     s = settings()
-    shm_gc.collect_stale_segments()
+    shm_gc.collect_stale_segments(min_age_s=timeout.total_seconds())
 
     me = _layout.local_rank_info(rank, s)
     infos = _layout.exchange_infos(store, rank, size, me, timeout)
@@ -190,12 +237,14 @@ def create_kaitian_backend(dist_opts, backend_options=None):
                 group_rank, group_size, timeout,
             )
 
-    token = _shared_token(store, rank, timeout)
+    token = _shared_random(store, rank, "kaitian/token", 6, timeout)
     file_store = None
     run_dir, private = None, False
     if bridge == "shm":
         run_dir, private = _run_dir(store, rank, s, timeout)
-        file_store = dist.FileStore(os.path.join(run_dir, f"bridge-{token}.store"), size)
+        store_path = os.path.join(run_dir, f"bridge-{token}.store")
+        _owner_only_file(store_path)
+        file_store = dist.FileStore(store_path, size)
         file_store.set_timeout(timeout)
     pids = [
         i.pid if (i.host == me.host and i.pid_ns == me.pid_ns) else -1 for i in infos
@@ -209,6 +258,8 @@ def create_kaitian_backend(dist_opts, backend_options=None):
             bridge_kind=bridge, bridge_store=file_store,
             shm_name=shm_gc.segment_name(token, rank), chunk_bytes=int(lead.chunk_bytes),
             pids=pids, tcp_host=_local_address(s) if bridge == "tcp" else "",
+            tcp_key=_bridge_key(store, rank, s, timeout) if bridge == "tcp" else b"",
+            tcp_session=token, tcp_ports=s.bridge_ports or (0, 0),
             spin_us=max(0, int(s.spin_us)),
             # Reductions go segment by segment (device copies overlap the bridge).
             segment_bytes=16 * max(4096, int(lead.chunk_bytes)),

@@ -1,10 +1,13 @@
 """Collects shared-memory segments left behind by killed kaitian processes.
 
-A segment is named ``/kaitian-<pidns>-<pid>-<token>-r<rank>``: the creator's pid
-namespace and pid. It normally lives only while a process group is being built
-(it is unlinked once every peer has mapped it), so one that outlives its creator
-is garbage. Segments from another pid namespace (another container) cannot be
-checked for liveness and are collected only when clearly abandoned.
+A segment is named ``/kaitian-<pidns>-<pid>-<token>-r<rank>-<random>``: the
+creator's pid namespace and pid, the group instance's token, and 64 random bits
+so that no other local user can guess (and pre-create or open) it. It normally
+lives only while a process group is being built (it is unlinked once every peer
+has mapped it), so one that outlives its creator is garbage. Segments from
+another pid namespace (another container) cannot be checked for liveness and are
+collected only when older than the group timeout (a slow peer may still be about
+to open a younger one) and at least ten minutes.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import time
 from typing import Iterator, List, Tuple
 
@@ -20,9 +24,11 @@ __all__ = ["SHM_DIR", "segment_name", "pid_namespace", "collect_stale_segments",
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^kaitian-(\d+)-(\d+)-[0-9a-f]+-r\d+$")
-# Age after which a segment from a foreign pid namespace counts as abandoned.
+_NAME = re.compile(r"^kaitian-(\d+)-(\d+)-[0-9a-f]+-r\d+(?:-[0-9a-f]+)?$")
+# Least age at which a segment from a foreign pid namespace counts as abandoned.
 _FOREIGN_MAX_AGE_S = 600.0
+# torch's default process group timeout: the age floor when the caller gives none.
+_DEFAULT_GROUP_TIMEOUT_S = 1800.0
 
 
 def pid_namespace() -> int:
@@ -34,8 +40,12 @@ def pid_namespace() -> int:
 
 
 def segment_name(token: str, rank: int) -> str:
-    """The POSIX shm name of this process's bridge segment for one group instance."""
-    return f"/kaitian-{pid_namespace()}-{os.getpid()}-{token}-r{rank}"
+    """The POSIX shm name of this process's bridge segment for one group instance.
+
+    Unguessable (64 random bits) and fresh on every call; peers learn it through
+    the owner-only store in the run directory.
+    """
+    return f"/kaitian-{pid_namespace()}-{os.getpid()}-{token}-r{rank}-{secrets.token_hex(8)}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -73,11 +83,17 @@ def _unlink(shm_dir: str, name: str) -> bool:
         return False
 
 
-def collect_stale_segments(shm_dir: str = SHM_DIR) -> List[str]:
+def collect_stale_segments(shm_dir: str = SHM_DIR, min_age_s: float = _DEFAULT_GROUP_TIMEOUT_S) -> List[str]:
     """Unlinks kaitian segments whose creating process is gone.
+
+    A segment whose creator is in our pid namespace goes as soon as that process
+    is dead (nobody can use it any more). One from another namespace goes only
+    when older than ``min_age_s`` and ten minutes: a peer of its group may still
+    be about to open it until the group's timeout has passed.
 
     Args:
         shm_dir: where POSIX shared memory lives (``/dev/shm`` on Linux).
+        min_age_s: the process group timeout in seconds.
 
     Returns:
         The names that were removed.
@@ -85,14 +101,16 @@ def collect_stale_segments(shm_dir: str = SHM_DIR) -> List[str]:
     removed: List[str] = []
     my_ns = pid_namespace()
     now = time.time()
+    min_age = max(float(min_age_s), _FOREIGN_MAX_AGE_S)
     for name, ns, pid in _segments(shm_dir):
         if ns == my_ns:
             stale = not _pid_alive(pid)
         else:
             try:
-                stale = now - os.stat(os.path.join(shm_dir, name)).st_mtime > _FOREIGN_MAX_AGE_S
+                st = os.stat(os.path.join(shm_dir, name))
             except OSError:
                 continue
+            stale = now - st.st_mtime > min_age  # sizing and writes move mtime forward
         if stale and _unlink(shm_dir, name):
             removed.append(name)
             logger.info("kaitian: removed stale shared memory %s (pid %s is gone)", name, pid)

@@ -14,6 +14,14 @@ Example::
     kaitian bench collectives                            # 2 ranks, 2 groups, all ops, 4 KiB .. 64 MiB
     kaitian bench collectives --ops allreduce --sizes 4K,64M --iters 50
     kaitian bench collectives --nproc 4 --groups 2 --bridge tcp
+    kaitian bench collectives --memory 2,4,8,16          # shared memory per group and per process
+
+``--memory`` starts one job per world size instead of timing: after a 64 MiB
+all_reduce and a point-to-point ring (so the collective slots and mailboxes
+are in use) it prints the bytes of ``/dev/shm`` the kaitian segments hold per
+group (the pages every rank's own segment has allocated) and per process (the
+segment pages each process has mapped in), and the change of ``/dev/shm`` use
+seen by ``statvfs`` (other jobs on the host move that one).
 """
 
 from __future__ import annotations
@@ -105,12 +113,79 @@ def _iters_for(nbytes: int, requested: Optional[int]) -> int:
 # --------------------------------------------------------------------------- worker
 
 
+def _shm_mappings() -> Dict[str, int]:
+    """Bytes of kaitian shared memory in this process: own segment resident, all mapped/resident."""
+    own = f"-{os.getpid()}-"
+    out = {"own_rss": 0, "rss": 0, "size": 0}
+    current = None
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            parts = line.split()
+            if not parts:
+                continue
+            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+                path = parts[5] if len(parts) > 5 else ""
+                current = path if "/kaitian-" in path else None
+            elif current and parts[0] in ("Size:", "Rss:"):
+                kib = int(parts[1]) * 1024
+                if parts[0] == "Size:":
+                    out["size"] += kib
+                else:
+                    out["rss"] += kib
+                    if own in current:
+                        out["own_rss"] += kib
+    return out
+
+
+def _shm_used() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _memory_worker(args: argparse.Namespace) -> int:
+    """One rank of ``--memory``: use the bridge, then report its shared memory."""
+    import torch
+    import torch.distributed as dist
+
+    import kaitian  # noqa: F401  registers the backend
+
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=300)
+    dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank, world_size=args.nproc,
+                            timeout=timeout)
+    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    n, rank = args.nproc, args.rank
+    t = torch.ones(16 << 20)  # 64 MiB
+    dist.all_reduce(t)
+    ring = torch.ones(1 << 18)  # 1 MiB to the next rank
+    reqs = [dist.isend(ring, (rank + 1) % n), dist.irecv(torch.empty_like(ring), (rank - 1) % n)]
+    for r in reqs:
+        r.wait()
+    dist.barrier()
+    rec = _shm_mappings()
+    rec["statvfs_used"] = _shm_used()
+    recs: List[dict] = [{}] * n
+    dist.all_gather_object(recs, rec, group=gloo)
+    if rank == 0:
+        per_group = sum(r["own_rss"] for r in recs)
+        per_proc = max(r["rss"] for r in recs)
+        mapped = max(r["size"] for r in recs)
+        delta = rec["statvfs_used"] - args.shm_baseline
+        print(f"{n:>5} {per_group / 2**20:>14.1f} {per_group / n / 2**20:>13.2f} {per_proc / 2**20:>14.1f} "
+              f"{mapped / 2**20:>12.1f} {delta / 2**20:>15.1f}", flush=True)
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
     import kaitian  # noqa: F401  registers the backend
 
+    if args.memory:
+        return _memory_worker(args)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)
     timeout = timedelta(seconds=120)
@@ -317,6 +392,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="backend measured against gloo (default kaitian; 'gloo' checks the bench itself)")
     ap.add_argument("--json", default="", help="also write the numbers to this JSON file")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the ranks are stopped")
+    ap.add_argument("--memory", default="", metavar="WORLDS",
+                    help="instead of timing: shared memory per group and per process at these world sizes "
+                         "(comma list, e.g. 2,4,8,16)")
+    ap.add_argument("--shm-baseline", type=int, default=0, help=argparse.SUPPRESS)
     # internal: one rank
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -342,6 +421,13 @@ def _validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--sizes is empty")
     if args.iters < 0 or args.ddp_steps < 0:
         ap.error("--iters and --ddp-steps must not be negative")
+    if args.memory:
+        try:
+            args.memory_worlds = [int(w) for w in args.memory.split(",") if w.strip()]
+        except ValueError:
+            ap.error(f"--memory takes world sizes such as 2,4,8,16, not {args.memory!r}")
+        if not args.memory_worlds or min(args.memory_worlds) < 2:
+            ap.error("--memory world sizes must be at least 2")
 
 
 def _group_of(rank: int, nproc: int, groups: int) -> int:
@@ -366,16 +452,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args._worker:
         return _worker(args)
 
+    base_argv = [a for a in (sys.argv[1:] if argv is None else list(argv))]
+    if args.memory:
+        print("kaitian bench collectives --memory: kaitian shared memory after a 64 MiB all_reduce and a "
+              "1 MiB send/recv ring (MiB)", flush=True)
+        print(f"{'world':>5} {'per group':>14} {'per rank':>13} {'per process':>14} {'mapped':>12} "
+              f"{'statvfs delta':>15}", flush=True)
+        for world in args.memory_worlds:
+            groups = min(args.groups, world)
+            rc = _launch(args, world, groups, base_argv + ["--nproc", str(world), "--groups", str(groups),
+                                                           "--shm-baseline", str(_shm_used())])
+            if rc:
+                return rc
+        print("per group: pages the ranks' own segments hold; per process: segment pages one process has "
+              "mapped in (its own and the peers' it read); mapped: address space", flush=True)
+        return 0
+    groups_desc = [f"cpu{_group_of(r, args.nproc, args.groups)}" for r in range(args.nproc)]
+    print(f"kaitian bench collectives: {args.nproc} ranks on this host, groups {groups_desc}, "
+          f"float32; latency = slowest rank's mean per call; busbw as nccl-tests", flush=True)
+    return _launch(args, args.nproc, args.groups, base_argv)
+
+
+def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List[str]) -> int:
+    """Starts ``nproc`` ranks of this module (rank 0 prints) and waits for them."""
     workdir = tempfile.mkdtemp(prefix="kaitian-bench-")
     os.chmod(workdir, 0o700)
     port = _free_port()
     procs: List[subprocess.Popen] = []
-    base_argv = [a for a in (sys.argv[1:] if argv is None else list(argv))]
-    groups_desc = [f"cpu{_group_of(r, args.nproc, args.groups)}" for r in range(args.nproc)]
-    print(f"kaitian bench collectives: {args.nproc} ranks on this host, groups {groups_desc}, "
-          f"float32; latency = slowest rank's mean per call; busbw as nccl-tests", flush=True)
+    groups_desc = [f"cpu{_group_of(r, nproc, groups)}" for r in range(nproc)]
     try:
-        for rank in range(args.nproc):
+        for rank in range(nproc):
             env = dict(os.environ)
             env.update({"KAITIAN_GROUP": groups_desc[rank], "KAITIAN_DEVICE_TYPE": "cpu",
                         "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": workdir, "OMP_NUM_THREADS": "1"})
@@ -383,7 +489,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 env["KAITIAN_BRIDGE"] = args.bridge
             if args.intra:
                 env["KAITIAN_INTRA"] = args.intra
-            cmd = [sys.executable, "-m", "kaitian.bench.collectives", *base_argv, "--_worker", "--rank", str(rank),
+            cmd = [sys.executable, "-m", "kaitian.bench.collectives", *worker_argv, "--_worker", "--rank", str(rank),
                    "--init-method", f"tcp://127.0.0.1:{port}"]
             procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL,
                                           start_new_session=True))

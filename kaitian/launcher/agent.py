@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import tempfile
 import time
@@ -26,6 +27,7 @@ from kaitian.launcher.plan import WorkerPlan
 from kaitian.launcher.rendezvous import KaitianRendezvousHandler, exchange_inventory
 from kaitian.launcher.rundir import RunDir
 from kaitian.launcher.runtimes.base import Runtime, WorkerLaunch
+from kaitian.settings import settings
 
 __all__ = ["KaitianAgent"]
 
@@ -152,6 +154,27 @@ class KaitianAgent(_te.SimpleElasticAgent):
             worker_group.store.set(key, str(port))
         return int(worker_group.store.get(key))
 
+    # -- the job key -------------------------------------------------------------
+
+    def _job_key(self, worker_group: "_te.WorkerGroup") -> str:
+        """The secret this start's workers prove to each other on the TCP bridge.
+
+        A ``KAITIAN_JOB_KEY`` given to kaitianrun (by the user or the scheduler)
+        is passed on and written nowhere. Otherwise each start gets a fresh key:
+        one node makes it; with several nodes the others read it from this
+        round's rendezvous store, so whoever can read that store can read the
+        key too (docs/backend.md, "Security").
+        """
+        given = settings().job_key
+        if given:
+            return given
+        if worker_group.group_world_size == 1:
+            return secrets.token_hex(32)
+        key = f"kaitian/job_key/{self._epoch}"
+        if worker_group.group_rank == 0:
+            worker_group.store.set(key, secrets.token_hex(32))
+        return worker_group.store.get(key).decode()
+
     # -- the worker environment ----------------------------------------------
 
     def _torchrun_env(self, worker_group: "_te.WorkerGroup", worker: "_te.Worker", restart_count: int) -> Dict[str, str]:
@@ -195,8 +218,8 @@ class KaitianAgent(_te.SimpleElasticAgent):
             env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
         return env
 
-    def _kaitian_env(self, plan: WorkerPlan, start_dir: str) -> Dict[str, str]:
-        env = {**plan.device.to_env(), "KAITIAN_RUN_DIR": start_dir}
+    def _kaitian_env(self, plan: WorkerPlan, start_dir: str, job_key: str) -> Dict[str, str]:
+        env = {**plan.device.to_env(), "KAITIAN_RUN_DIR": start_dir, "KAITIAN_JOB_KEY": job_key}
         if plan.key in self._capabilities:
             env["KAITIAN_CAPABILITY"] = repr(float(self._capabilities[plan.key]))
         if self._monitor_dir:
@@ -253,6 +276,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
         if spec.rdzv_handler.use_agent_store:
             worker_group.master_port = self._worker_store_port(worker_group)
         self._starts += 1
+        job_key = self._job_key(worker_group)
 
         args: Dict[int, tuple] = {}
         envs: Dict[int, Dict[str, str]] = {}
@@ -262,7 +286,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
             local_rank = worker.local_rank
             plan = self._plans[local_rank]
             env = self._torchrun_env(worker_group, worker, restart_count)
-            env.update(self._kaitian_env(plan, start_dir))
+            env.update(self._kaitian_env(plan, start_dir, job_key))
             if spec.virtual_local_rank and plan.device.type == "cuda":
                 # torchrun shows worker i the i-th GPU; kaitian shows it its planned one
                 env["CUDA_VISIBLE_DEVICES"] = plan.device.uuid or str(plan.device.index)

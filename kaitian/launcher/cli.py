@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> None:
         ChildFailedError / SignalException: as torchrun.
     """
     _check_script(args)
+    settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
     _resolve_rendezvous(args)
     known = _te.rendezvous_backend_names()
     if args.rdzv_backend not in known:

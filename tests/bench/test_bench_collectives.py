@@ -63,3 +63,16 @@ def test_small_run_prints_both_backends_and_targets() -> None:
         assert kt_us > 0 and gloo_us > 0
         assert float(row[7]) == pytest.approx(kt_us / gloo_us, rel=0.02, abs=0.002)
     assert "DDP step" in proc.stdout and "allreduce 4 KiB latency <= 0.2x gloo" in proc.stdout, proc.stdout
+
+
+def test_memory_line_shows_per_rank_shared_memory_independent_of_world_size() -> None:
+    proc = _kaitian("--memory", "2,4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {int(line.split()[0]): [float(x) for x in line.split()[1:]]
+            for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()}
+    assert sorted(rows) == [2, 4], proc.stdout
+    # per rank: O(chunk) (8 chunk slots of 1 MiB + a chunk of mailboxes), not a mailbox per peer
+    for world, (per_group, per_rank, per_process, mapped, _delta) in rows.items():
+        assert 8 <= per_rank <= 9.5, proc.stdout
+        assert per_group == pytest.approx(per_rank * world, rel=0.01), proc.stdout
+    assert rows[4][1] <= rows[2][1], proc.stdout

@@ -140,8 +140,10 @@ def test_worker_env_matches_torchrun(tmp_path, flags, pet):
                 continue  # a path in each launcher's own log directory
             assert k_env[key] == value, f"rank {rank}: {key}={k_env[key]!r}, torchrun: {value!r}"
         extra = {k for k in k_env if k not in t_env}
-        assert {"KAITIAN_DEVICE_TYPE", "KAITIAN_DEVICE_INDEX", "KAITIAN_RUN_DIR"} <= extra
-        assert extra <= {"KAITIAN_DEVICE_TYPE", "KAITIAN_DEVICE_INDEX", "KAITIAN_RUN_DIR", "_RUN_DIR_MODE"}
+        assert {"KAITIAN_DEVICE_TYPE", "KAITIAN_DEVICE_INDEX", "KAITIAN_RUN_DIR", "KAITIAN_JOB_KEY"} <= extra
+        assert extra <= {"KAITIAN_DEVICE_TYPE", "KAITIAN_DEVICE_INDEX", "KAITIAN_RUN_DIR", "KAITIAN_JOB_KEY",
+                         "_RUN_DIR_MODE"}
+        assert k_env["KAITIAN_JOB_KEY"] == outs["kaitianrun"][0]["KAITIAN_JOB_KEY"]  # one key per job
         assert k_env["KAITIAN_DEVICE_TYPE"] == "cpu" and k_env["KAITIAN_DEVICE_INDEX"] == str(rank)
         assert os.path.basename(os.path.dirname(k_env["TORCHELASTIC_ERROR_FILE"])) == str(rank)
 
@@ -360,6 +362,8 @@ def test_two_nodes_different_mixes_train_with_kaitian(tmp_path):
         assert {result[r]["GROUP_RANK"] for r in (0, 1)} == {"0", "1"}  # cpu0 spans both nodes
         params = [result[r]["params"] for r in range(3)]
         assert all(p == params[0] for p in params)
+        # both agents handed out the same bridge key, made through the rendezvous
+        assert len({result[r]["KAITIAN_JOB_KEY"] for r in range(3)}) == 1
     for pg, pk in zip(gloo[0]["params"], kt[0]["params"]):
         assert pg == pytest.approx(pk, rel=1e-5, abs=1e-6)
 

@@ -33,7 +33,7 @@ def main() -> None:
         opt.step()
     info = {k: os.environ.get(k) for k in (
         "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "KAITIAN_GROUP", "KAITIAN_DEVICE_TYPE",
-        "KAITIAN_DEVICE_INDEX", "TORCHELASTIC_RUN_ID")}
+        "KAITIAN_DEVICE_INDEX", "TORCHELASTIC_RUN_ID", "KAITIAN_JOB_KEY")}
     info["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)
