@@ -43,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-rebalance", action="store_true", help="keep the initial split")
-    p.add_argument("--rebalance-every", type=int, default=None,
-                   help="re-balance every K steps instead of between epochs")
+    p.add_argument("--rebalance-every", default=None,
+                   help="re-balance every K steps, or 'epoch' (default: every 25 steps or 10 s)")
     p.add_argument("--min-accuracy", type=float, default=0.95,
                    help="exit 1 if the final test accuracy is lower")
     return p.parse_args(argv)
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     sampler = kaitian.DistributedSampler(train_set, batch_size=args.batch_size, seed=args.seed)
     model = kaitian.DistributedDataParallel(make_model(args.hidden).to(device))
     if not args.no_rebalance:
-        kaitian.Rebalancer(sampler, model, every=args.rebalance_every)
+        every = args.rebalance_every
+        kaitian.Rebalancer(sampler, model, every=int(every) if every not in (None, "epoch") else every)
     # batch_sampler= follows the split when the re-balancer changes it.
     loader = DataLoader(train_set, batch_sampler=sampler.batch_sampler())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     job_start = time.perf_counter()
     total_samples = 0
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # also where the re-balancer changes the split
+        sampler.set_epoch(epoch)  # reshuffle
         model.train()
         start = time.perf_counter()
         seen, loss_sum = 0, 0.0

@@ -25,6 +25,8 @@ _LAZY = {
     "optimize_batch_size": "kaitian.training.sampler",
     "DistributedDataParallel": "kaitian.training.ddp",
     "Rebalancer": "kaitian.training.rebalance",
+    "scale_loss": "kaitian.training.weighting",
+    "global_count": "kaitian.training.weighting",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -20,6 +20,7 @@ __all__ = [
     "PlanError",
     "UsageError",
     "SplitError",
+    "TrainingError",
     "CapabilityConfigError",
     "BackendSetupError",
     "LayoutError",
@@ -77,6 +78,10 @@ class QuotaUnavailableError(KaitianError, PermissionError):
 
 class SplitError(KaitianError, ValueError):
     """The global batch cannot be split as asked (caps, sizes)."""
+
+
+class TrainingError(KaitianError, RuntimeError):
+    """Ranks disagree during training (steps, batches) or a DDP feature kaitian cannot keep exact."""
 
 
 class CapabilityConfigError(KaitianError, RuntimeError):

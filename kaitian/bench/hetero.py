@@ -13,8 +13,9 @@ machine's load hit every mode alike:
 * *equal split* (torch's behaviour) with kaitian.DistributedDataParallel,
 * *static capability split*: the first cycle's solo throughputs as
   capabilities (what ``kaitian init`` under the same conditions would give),
-* *online re-balancing*: starts equal; its Rebalancer re-splits between its
-  epochs and keeps its state across cycles.
+* *online re-balancing*: starts equal; its Rebalancer (default settings: a
+  round every 25 steps or 10 s, whichever first) re-splits within its epochs
+  and keeps its state across cycles.
 
 The table reports the mean over the second half of the cycles (the steady
 state: re-balancing starts from the equal split by design), and re-balancing
@@ -69,6 +70,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     import kaitian
+    from kaitian.training.exchange import gather_per_rank
 
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,10 +91,7 @@ def _worker(args: argparse.Namespace) -> int:
         ).to(device)
 
     def gather(value: float) -> List[float]:
-        slots = torch.zeros(world, dtype=torch.float64, device=device)
-        slots[rank] = value
-        dist.all_reduce(slots)
-        return slots.cpu().tolist()
+        return [row[0] for row in gather_per_rank([value], device=device)]
 
     def train(model, opt, batches) -> int:
         seen = 0
@@ -107,7 +106,7 @@ def _worker(args: argparse.Namespace) -> int:
     solo_opt = torch.optim.SGD(solo_net.parameters(), lr=0.01)
     runs = {}
     for mode in ("equal", "rebalance"):
-        sampler = kaitian.DistributedSampler(dataset, args.batch_size, capabilities=[1.0] * world)
+        sampler = kaitian.DistributedSampler(dataset, batch_size=args.batch_size, capabilities=[1.0] * world)
         model = kaitian.DistributedDataParallel(make_net())
         if mode == "rebalance":
             balancer = kaitian.Rebalancer(sampler, model)
@@ -119,7 +118,7 @@ def _worker(args: argparse.Namespace) -> int:
     for cycle in range(args.cycles):
         for mode in _MODES:
             if mode == "static" and "static" not in runs:
-                sampler = kaitian.DistributedSampler(dataset, args.batch_size, capabilities=solo_rates)
+                sampler = kaitian.DistributedSampler(dataset, batch_size=args.batch_size, capabilities=solo_rates)
                 model = kaitian.DistributedDataParallel(make_net())
                 runs["static"] = (sampler, model, torch.optim.SGD(model.parameters(), lr=0.01))
             dist.barrier()

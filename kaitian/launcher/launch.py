@@ -51,9 +51,9 @@ class KaitianLaunch:
 
 def _make_monitor(out_dir: str) -> Any:
     try:
-        from kaitian.training.monitor import AgentMonitor
+        from kaitian.launcher.monitor import AgentMonitor
     except ImportError as e:
-        logger.warning("--monitor: kaitian.training.monitor is not available (%s); not monitoring", e)
+        logger.warning("--monitor: kaitian.launcher.monitor is not available (%s); not monitoring", e)
         return None
     return AgentMonitor(out_dir)
 

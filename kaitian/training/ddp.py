@@ -1,20 +1,34 @@
 """``kaitian.DistributedDataParallel``: torch's DDP with exact gradients for unequal batches.
 
-Torch's DDP averages the ranks' mean gradients, which is biased when ranks
-see different batch sizes. kaitian's DDP counts each rank's samples in every
-step (an allreduce of one number, launched at forward so it overlaps with
-compute) and weights each rank's gradient by its share::
+Built on the same weighting as :func:`kaitian.scale_loss`: each rank's loss
+is scaled by ``n_r · W / N`` before backward, here by scaling the gradient
+that enters the model's outputs (the loss is linear in it, so this is the
+same as scaling the loss). Because nothing is re-weighted after gradients have
+crossed ranks, it is exact where the forward couples ranks (SyncBatchNorm)
+and with any communication hook, built-in C++ hooks included.
 
-    g = sum_r n_r * g_r / sum_r n_r    (= the mean over the global batch)
+The split in two parts keeps every rank's factor known at backward time:
 
-It does so in a communication hook that wraps the plain allreduce, or the
-user's own hook (``register_comm_hook`` still works: the user's hook receives
-the buckets pre-scaled by ``n_r / ref`` and its mean result is post-scaled by
-``ref * world / N``, with the same ``ref`` on every rank). The same hook times
-each step: *compute* runs from the first forward of a step until the last
-gradient bucket is ready (so time spent waiting in collectives is excluded),
-*communication* from there until backward returns. The re-balancer and the
-monitor read these timings.
+* each forward whose outputs receive a gradient contributes ``n_f`` samples;
+  its output gradient is scaled by ``n_f / ref`` (``ref``: the previous
+  step's mean per rank and micro-batch, the same on every rank);
+* at the synchronised backward the ranks exchange their counts (one small
+  all-reduce, started when backward starts, overlapping it) and the averaged
+  gradient is multiplied by one global factor ``ref · W · M / N`` (``M``
+  micro-batches, ``N`` samples over all ranks and micro-batches), usually
+  exactly 1.
+
+The accumulated gradient is ``M`` times the mean over every sample of the
+window (for one micro-batch: the global-batch mean), so dividing the loss by
+the number of accumulation steps, as usual, gives the exact window mean even
+when micro-batches differ across ranks. Forwards whose outputs never receive
+a gradient (evaluation with grad enabled) count nothing and exchange nothing.
+
+The same hooks time each step (device events on accelerators, see
+:mod:`kaitian.training.clock`): *compute* runs from the first forward until
+the last gradient bucket is ready, *communication* from there until backward
+returns, and *wait* is time spent in other collectives (DDP's buffer
+broadcast, re-balancing rounds). The re-balancer and the monitor read these.
 """
 
 from __future__ import annotations
@@ -30,7 +44,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-__all__ = ["DistributedDataParallel", "StepTiming"]
+from kaitian._torch import queue_autograd_callback
+from kaitian.errors import TrainingError
+from kaitian.training.clock import StepClock
+from kaitian.training.listeners import Listeners
+from kaitian.training.exchange import gather_per_rank, rows
+from kaitian.training.weighting import StepCheck, check_steps
+
+__all__ = ["DistributedDataParallel", "StepTiming", "has_batch_norm"]
 
 _log = logging.getLogger(__name__)
 
@@ -41,12 +62,14 @@ class StepTiming:
 
     Attributes:
         step: index of the step (synchronised backward passes so far).
-        samples: this rank's samples in the step.
+        samples: this rank's samples in the step (all its micro-batches).
         global_samples: samples summed over all ranks.
         compute_s: forward + backward compute time (first forward until the
-            last gradient bucket is ready).
-        comm_s: time from then until backward returned (waiting for the
-            gradient allreduce).
+            last gradient bucket is ready; device time on accelerators).
+        comm_s: from then until backward returned (the gradient allreduce,
+            including waiting for slower ranks).
+        wait_s: time in other collectives during the step (buffer broadcast,
+            re-balancing round).
         step_s: wall time since the previous step ended (includes data loading
             and the optimizer); for the first step, since its forward began.
         end: ``time.time()`` when the step's backward returned.
@@ -59,13 +82,7 @@ class StepTiming:
     comm_s: float
     step_s: float
     end: float
-
-
-def _weak_callable(callback: Callable) -> Callable[[], Optional[Callable]]:
-    """A weak reference to a bound method (no model <-> re-balancer cycle), else a strong one."""
-    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
-        return weakref.WeakMethod(callback)
-    return lambda: callback
+    wait_s: float = 0.0
 
 
 def _count_samples(inputs: tuple, kwargs: dict) -> int:
@@ -85,25 +102,56 @@ def _count_samples(inputs: tuple, kwargs: dict) -> int:
     )
 
 
-def _first_value(value: Any) -> torch.Tensor:
-    return value[0] if isinstance(value, (list, tuple)) else value
+def _grad_tensors(value: Any) -> List[torch.Tensor]:
+    """The tensors in a forward's output that will receive a gradient."""
+    out, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif hasattr(item, "__dataclass_fields__") or hasattr(item, "keys"):  # ModelOutput and friends
+            try:
+                stack.extend(item.values() if hasattr(item, "values") else vars(item).values())
+            except TypeError:
+                pass
+    return out
+
+
+def has_batch_norm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` contains a BatchNorm layer (it cannot train on a batch of 1)."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+class _Forward:
+    """One forward call: its sample count, whether it ends a step, whether backward reached it."""
+
+    __slots__ = ("samples", "sync", "ref", "seen")
+
+    def __init__(self, samples: int, sync: bool, ref: float) -> None:
+        self.samples, self.sync, self.ref, self.seen = samples, sync, ref, False
 
 
 class _StepState:
-    """Per-step bookkeeping shared by forward, the comm hook and the callbacks."""
+    """Per-step bookkeeping shared by forward, the gradient hooks and the callbacks."""
 
     def __init__(self, history: int) -> None:
-        self.pending_samples = 0  # samples since the last synchronised backward
-        self.first_forward: Optional[float] = None
-        self.samples = 0
-        self.count_future: Optional[torch.futures.Future] = None
-        self.ref = 1.0  # common scale reference, the previous step's global mean
-        self.next_ref: Optional[float] = None
-        self.compute_end: Optional[float] = None
-        self.last_end: Optional[float] = None
+        self.samples = 0  # samples of forwards that received a gradient, this step
+        self.micro = 0  # such forwards (micro-batches)
+        self.counts = None  # (work, tensor) of the count exchange
+        self.totals: Optional[tuple] = None  # (global samples, correction), once read
+        self.ref = 1.0  # common scale reference
         self.step = 0
-        self.last_global = 0
-        self.sync_wait = 0.0  # time in DDP's buffer broadcast, a collective
+        self.wait = 0.0  # time in other collectives this step
+        self.wait_in_compute = 0.0  # the part of it inside the compute window
+        self.round_requested = False  # rank 0 asked for a re-balancing round
+        self.error: Optional[Exception] = None  # found inside a future callback; raised from backward
+        self.last_end: Optional[float] = None
+        self.first_forward: Optional[float] = None
         self.timings: Deque[StepTiming] = deque(maxlen=history)
 
 
@@ -111,15 +159,17 @@ class DistributedDataParallel(_TorchDDP):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments).
 
     Gradients are the per-sample mean over the global batch even when ranks
-    hold different batch sizes (also the short last batch of an epoch),
+    hold different batch sizes (the short last batch of an epoch too),
     assuming the loss on each rank is the mean over its local batch (the
-    default ``reduction="mean"``).
+    default ``reduction="mean"``). See the module docstring for gradient
+    accumulation with ``no_sync``. ``join()`` is refused:
+    kaitian's sampler gives every rank the same number of steps.
 
     Args:
         *args: as torch's DDP.
         count_samples: optional ``fn(inputs, kwargs) -> int`` giving the
             number of samples of a forward call (default: dim 0 of the first
-            tensor argument).
+            tensor argument); return token counts for token-mean losses.
         timing_history: how many recent :class:`StepTiming` records to keep.
         **kwargs: as torch's DDP.
     """
@@ -132,28 +182,27 @@ class DistributedDataParallel(_TorchDDP):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        from kaitian.training.sampler import latest_sampler
+        from kaitian.training.steps import recorder_for_this_rank
+
         self._kt_count_samples = count_samples or _count_samples
         self._kt_state = _StepState(timing_history)
+        self._kt_check = StepCheck()
         self._kt_user_hook: Optional[tuple] = None
-        self._kt_step_listeners: List[Callable[[StepTiming], None]] = []
-        self._kt_before_step: List[Callable[[int], None]] = []
-        self._kt_recorder = None
+        self._kt_builtin_hook = None
+        self._kt_hook_registered = False
+        self._kt_step_listeners = Listeners()
+        self._kt_before_step = Listeners()
+        self._kt_vote: Optional[Callable[[], bool]] = None
         self._kt_keep_alive: List[object] = []  # helpers attached to this model
-        self._kt_device = next(
-            (p.device for p in self.module.parameters()), torch.device("cpu")
-        )
-        try:
-            from kaitian.training.sampler import _LAST_SAMPLER
-
-            if _LAST_SAMPLER is not None:
-                self._kt_state.ref = float(_LAST_SAMPLER.batch_size)
-        except ImportError:
-            pass
-        from kaitian.training.monitor import recorder_for_this_rank
-
+        self._kt_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        self._kt_clock = StepClock(self._kt_device)
         self._kt_recorder = recorder_for_this_rank()
-        # Registered once; the user's hook (if any) is called from inside it.
-        super().register_comm_hook(weakref.ref(self), _weighted_hook)
+        sampler = latest_sampler()
+        if sampler is not None:
+            self._kt_state.ref = float(sampler.batch_size)
+            if has_batch_norm(self.module):
+                sampler.require_min_batch_size(2)
 
     # -- public ------------------------------------------------------------------
 
@@ -162,155 +211,234 @@ class DistributedDataParallel(_TorchDDP):
         """Recent :class:`StepTiming` records of this rank (newest last)."""
         return self._kt_state.timings
 
+    @property
+    def recorder(self):
+        """The monitor's step recorder (``kaitianrun --monitor``), or ``None``."""
+        return self._kt_recorder
+
     def add_step_listener(self, callback: Callable[[StepTiming], None]) -> None:
         """Calls ``callback(timing)`` after each synchronised step."""
-        self._kt_step_listeners.append(_weak_callable(callback))
+        self._kt_step_listeners.add(callback)
 
-    def add_before_step(self, callback: Callable[[int], None]) -> None:
-        """Calls ``callback(step)`` at the start of each synchronised forward.
+    def set_round_vote(self, vote: Callable[[], bool]) -> None:
+        """Rank 0's ``vote()`` travels with each step's count exchange; the next
+        step's before-step callbacks get ``round_requested=True`` on every rank."""
+        self._kt_vote = vote
+
+    def add_before_step(self, callback: Callable[[int, bool], None]) -> None:
+        """Calls ``callback(step, round_requested)`` before each synchronised forward.
 
         Every rank reaches this point at the same step, so the callback may run
-        collectives (the re-balancer's every-K-steps mode uses it).
+        collectives (the re-balancer's rounds do); their time is counted as
+        wait, not compute.
         """
-        self._kt_before_step.append(_weak_callable(callback))
+        self._kt_before_step.add(callback)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
-        """Registers a user communication hook, composed with the batch weighting.
+        """Registers a user communication hook; the batch weighting composes with it.
 
         The hook must compute a mean across ranks (as torch's ``allreduce_hook``
-        and the compression hooks do); kaitian scales its input and output so
-        the result is the mean over the global batch. Call it once, before the
-        first backward.
+        and the compression hooks do). Call it once, before the first forward.
 
         Raises:
             RuntimeError: a hook was already registered.
         """
-        if self._kt_user_hook is not None:
+        if self._kt_user_hook is not None or self._kt_builtin_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
         self._check_comm_hook(hook)
         self._kt_user_hook = (state, hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
-        raise RuntimeError(
-            "kaitian.DistributedDataParallel needs a Python communication hook to weight "
-            "unequal batches; use register_comm_hook with torch's default_hooks "
-            "(e.g. fp16_compress_hook) instead of a built-in hook"
+        """A built-in C++ hook (e.g. ``BuiltinCommHookType.FP16_COMPRESS``): exact too.
+
+        The global correction is then applied to the gradients after backward
+        (one pass over them, only in steps whose global batch changed).
+        """
+        if self._kt_user_hook is not None or self._kt_builtin_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self._kt_builtin_hook = comm_hook_type
+
+    def join(self, *args: Any, **kwargs: Any):
+        raise TrainingError(
+            "kaitian.DistributedDataParallel does not support join(): kaitian.DistributedSampler "
+            "gives every rank the same number of steps, so inputs are never uneven; for your own "
+            "uneven loader use torch's DDP with kaitian.scale_loss(loss, count, total)"
         )
 
     def _sync_buffers(self) -> None:
-        """Excludes DDP's buffer broadcast (a collective that waits for slow ranks) from compute."""
+        """DDP's buffer broadcast is a collective that waits for slow ranks: counted as wait."""
         start = time.perf_counter()
         try:
             return super()._sync_buffers()
         finally:
-            self._kt_state.sync_wait += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self._kt_state.wait += spent
+            self._kt_state.wait_in_compute += spent
 
     # -- forward -----------------------------------------------------------------
 
+    def _kt_register_hook(self) -> None:
+        self._kt_hook_registered = True
+        if self._kt_builtin_hook is not None:
+            super()._register_builtin_comm_hook(self._kt_builtin_hook)
+        else:
+            super().register_comm_hook(weakref.ref(self), _weighted_hook)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            st = self._kt_state
-            if st.first_forward is None:
-                st.first_forward = time.perf_counter()
-            st.pending_samples += self._kt_count_samples(inputs, kwargs)
-            if self.require_backward_grad_sync:
-                for ref in list(self._kt_before_step):
-                    cb = ref()
-                    if cb is not None:
-                        cb(st.step)
-                self._kt_launch_count()
-        return super().forward(*inputs, **kwargs)
-
-    def _kt_launch_count(self) -> None:
+        if not torch.is_grad_enabled():
+            return super().forward(*inputs, **kwargs)
         st = self._kt_state
-        st.samples = st.pending_samples
-        count = torch.tensor([float(st.samples)], dtype=torch.float32, device=self._kt_device)
-        work = dist.all_reduce(count, group=self.process_group, async_op=True)
-        st.count_future = work.get_future()
-        st.compute_end = None
+        if not self._kt_hook_registered:
+            self._kt_register_hook()
+        sync = self.require_backward_grad_sync
+        if sync:
+            start = time.perf_counter()
+            self._kt_before_step(st.step, st.round_requested)
+            st.round_requested = False
+            st.wait += time.perf_counter() - start
+        if st.first_forward is None:
+            st.first_forward = time.perf_counter()
+            self._kt_clock.mark("start")
+        record = _Forward(self._kt_count_samples(inputs, kwargs), sync, st.ref)
+        output = super().forward(*inputs, **kwargs)
+        ddp_ref = weakref.ref(self)
+        for tensor in _grad_tensors(output):
+            tensor.register_hook(lambda grad, r=record: _on_output_grad(ddp_ref, r, grad))
+        return output
 
-    # -- after backward ------------------------------------------------------------
+    # -- backward ----------------------------------------------------------------
+
+    def _kt_on_backward(self, record: _Forward) -> None:
+        """The first gradient reached a forward's outputs: count it; at a sync step, exchange."""
+        st = self._kt_state
+        st.samples += record.samples
+        st.micro += 1
+        if not record.sync:
+            return
+        from kaitian.training.weighting import current_epoch
+
+        tag = self._kt_check.next_tag(current_epoch())
+        vote = self._kt_vote() if self._kt_vote is not None and self.process_group.rank() == 0 else 0
+        st.counts = gather_per_rank([st.samples, st.micro, *tag, float(bool(vote))],
+                                    self.process_group, self._kt_device, async_op=True)
+        st.totals = None
+        ddp_ref = weakref.ref(self)
+
+        def outer() -> None:  # runs before DDP's finaliser; queue one more to run after it
+            def inner() -> None:
+                ddp = ddp_ref()
+                if ddp is not None:
+                    ddp._kt_finish_step()
+
+            queue_autograd_callback(inner)
+
+        queue_autograd_callback(outer)
+
+    def _kt_totals(self, arrived: bool = False) -> tuple:
+        """(global samples, correction factor) of this step, identical on every rank.
+
+        Args:
+            arrived: the count exchange is known complete (inside its future's
+                callback, where waiting on the work would deadlock).
+        """
+        st = self._kt_state
+        if st.totals is None:
+            work, tensor = st.counts
+            if work is not None and not arrived:
+                work.wait()
+            table = rows(tensor)
+            check_steps([row[2:4] for row in table])
+            st.round_requested = any(row[4] > 0 for row in table)
+            micro = {int(row[1]) for row in table}
+            if len(micro) > 1:
+                raise TrainingError(
+                    "ranks accumulated different numbers of micro-batches in this step: "
+                    + ", ".join(f"rank {r}: {int(row[1])}" for r, row in enumerate(table))
+                )
+            total = sum(row[0] for row in table)
+            if total <= 0:
+                raise TrainingError("a synchronised step with no samples on any rank")
+            world = len(table)
+            st.totals = (total, st.ref * world * micro.pop() / total)
+        return st.totals
 
     def _kt_finish_step(self) -> None:
         st = self._kt_state
+        if st.error is not None:
+            error, st.error = st.error, None
+            st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
+            raise error
+        total, correction = self._kt_totals()
+        if self._kt_builtin_hook is not None and correction != 1.0:
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(correction)
+        self._kt_clock.mark("end")
+        times = self._kt_clock.take()
         now = time.perf_counter()
-        compute_end = st.compute_end if st.compute_end is not None else now
-        start = st.first_forward if st.first_forward is not None else compute_end
+        start = st.first_forward if st.first_forward is not None else now
         timing = StepTiming(
             step=st.step,
             samples=st.samples,
-            global_samples=st.last_global,
-            compute_s=max(0.0, compute_end - start - st.sync_wait),
-            comm_s=max(0.0, now - compute_end),
+            global_samples=int(round(total)),
+            compute_s=max(0.0, times["compute_s"] - st.wait_in_compute),
+            comm_s=times["comm_s"],
             step_s=max(1e-9, now - (st.last_end if st.last_end is not None else start)),
             end=time.time(),
+            wait_s=st.wait,
         )
         st.timings.append(timing)
         st.last_end = now
         st.step += 1
+        st.ref = total / (self.process_group.size() * max(1, st.micro))
         st.first_forward = None
-        st.pending_samples = 0
-        st.sync_wait = 0.0
-        if st.next_ref is not None:
-            st.ref, st.next_ref = st.next_ref, None
+        st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
+        st.wait = st.wait_in_compute = 0.0
         if self._kt_recorder is not None:
             self._kt_recorder.record_step(timing)
-        for ref in list(self._kt_step_listeners):
-            cb = ref()
-            if cb is not None:
-                cb(timing)
+        self._kt_step_listeners(timing)
 
 
-def _queue_after_backward(ddp_ref: "weakref.ref") -> None:
-    """Runs the step's bookkeeping once backward (and DDP's finalisation) is over.
-
-    DDP queues its own finalising callback (which waits for the allreduce)
-    after the last bucket's hook returns, so we queue a callback that queues
-    one more: it runs after DDP's and sees the communication time.
-    """
-    engine = torch.autograd.Variable._execution_engine
-
-    def outer() -> None:
-        def inner() -> None:
-            ddp = ddp_ref()
-            if ddp is not None:
-                ddp._kt_finish_step()
-
-        engine.queue_callback(inner)
-
-    engine.queue_callback(outer)
+def _on_output_grad(ddp_ref: "weakref.ref", record: _Forward, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient hook on a forward's outputs: scale by ``n_f / ref`` (the loss weighting)."""
+    ddp = ddp_ref()
+    if ddp is not None and not record.seen:
+        record.seen = True
+        ddp._kt_on_backward(record)
+    factor = record.samples / record.ref
+    return grad if factor == 1.0 else grad * factor
 
 
 def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as real types
-    """Comm hook: mean over the global batch, weighting each rank by its samples."""
+    """Comm hook: the mean across ranks (torch's or the user's), then the global correction."""
     ddp = ddp_ref()
-    st = ddp._kt_state
     group = ddp.process_group
-    world = group.size()
-    ref = st.ref
-    buffer = bucket.buffer()
     if ddp._kt_user_hook is None:
-        # One pass over the bucket, as torch's own hook (which divides by world).
-        buffer.mul_(st.samples / (ref * world))
+        buffer = bucket.buffer()
+        buffer.div_(group.size())
         reduced = dist.all_reduce(buffer, group=group, async_op=True).get_future()
     else:
-        if st.samples != ref:
-            buffer.mul_(st.samples / ref)
         user_state, user_hook = ddp._kt_user_hook
         reduced = user_hook(user_state, bucket)
     if bucket.is_last():
-        st.compute_end = time.perf_counter()
-        _queue_after_backward(ddp_ref)
-    count_future = st.count_future
+        ddp._kt_clock.mark("compute_end")
+    if ddp._kt_state.counts is None:
+        raise TrainingError(
+            "kaitian.DistributedDataParallel: backward did not pass through the model's outputs "
+            "(the loss must be computed from what forward returned)"
+        )
+    work, _ = ddp._kt_state.counts
+    futures = [reduced] if work is None else [reduced, work.get_future()]
 
     def finish(both: torch.futures.Future) -> torch.Tensor:
-        grad_fut, count_fut = both.value()
-        grad = _first_value(grad_fut.value())
-        global_samples = float(_first_value(count_fut.value()).item())
-        st.last_global = int(round(global_samples))
-        st.next_ref = global_samples / world
-        correction = ref * world / global_samples
-        # Same global batch as the step before (the usual case): nothing to fix.
+        value = both.value()[0].value()
+        grad = value[0] if isinstance(value, (list, tuple)) else value
+        try:
+            _, correction = ddp._kt_totals(arrived=True)
+        except TrainingError as exc:  # raised from backward by _kt_finish_step, as itself
+            ddp._kt_state.error = exc
+            return grad
         return grad if correction == 1.0 else grad.mul_(correction)
 
-    return torch.futures.collect_all([reduced, count_future]).then(finish)
+    return torch.futures.collect_all(futures).then(finish)

@@ -1,29 +1,35 @@
 """Online re-balancing: move samples from slow ranks to fast ones while training.
 
 The static split comes from ``kaitian init``'s benchmark, which may not match
-the real model (or the machine may be busy). :class:`Rebalancer` watches each
-rank's measured *time per sample*: by default its busy time per step (the step
-minus the time it waited for the gradient allreduce: forward, backward,
-optimizer, data), or forward + backward only (``measure="compute"``); never the
-time spent waiting in collectives (see :mod:`kaitian.training.ddp`). It smooths it
-with an exponential moving average, and, between epochs (or every ``every`` steps),
-splits the global batch in proportion to each rank's speed, capped by each
-rank's maximum batch. All ranks exchange their measurements through the
-process group and compute the same new split from bit-identical inputs.
+the real model (or the machine may be busy, or get busy mid-run).
+:class:`Rebalancer` watches each rank's measured *time per sample*: by default
+its busy time per step (the step minus every collective wait: the gradient
+allreduce, DDP's buffer broadcast, the re-balancing rounds themselves), or
+forward + backward only (``measure="compute"``); device time on accelerators
+(:mod:`kaitian.training.clock`). It smooths it with an exponential moving
+average and, every ``every`` steps or ``seconds`` seconds (whichever comes
+first; rank 0's clock decides, through the step's count exchange, so all
+ranks agree), splits the global batch in proportion to each rank's speed,
+capped by each rank's maximum batch. All ranks exchange their measurements
+and compute the same new split from bit-identical inputs.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-import torch
 import torch.distributed as dist
 
+from kaitian.training.exchange import gather_per_rank
 from kaitian.training.sampler import DistributedSampler, SplitError, proportional_split
 
-__all__ = ["Rebalancer", "RebalanceDecision", "plan_split"]
+__all__ = ["Rebalancer", "RebalanceDecision", "plan_split", "DEFAULT_EVERY", "DEFAULT_SECONDS"]
+
+DEFAULT_EVERY = 25  # steps between re-balancing rounds ...
+DEFAULT_SECONDS = 10.0  # ... or seconds, whichever comes first
 
 _log = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ def plan_split(
     current: Sequence[int],
     caps: Optional[Sequence[Optional[int]]] = None,
     min_gain: float = 0.03,
+    minimum: int = 1,
 ) -> List[int]:
     """The split that equalises compute time, or ``current`` if the gain is too small.
 
@@ -65,12 +72,13 @@ def plan_split(
         caps: per-rank maximum batch (``None`` = no cap).
         min_gain: keep ``current`` unless the predicted slowest-rank compute
             time drops by more than this fraction (stops jitter from noise).
+        minimum: the smallest batch a rank may get.
 
     Returns:
         The split to use.
     """
     speeds = [1.0 / t for t in per_sample_s]
-    candidate = proportional_split(global_batch, speeds, caps=caps)
+    candidate = proportional_split(global_batch, speeds, caps=caps, minimum=minimum)
 
     def slowest(split: Sequence[int]) -> float:
         return max(b * t for b, t in zip(split, per_sample_s))
@@ -89,18 +97,21 @@ class Rebalancer:
 
         sampler = kaitian.DistributedSampler(ds, batch_size=64)
         model = kaitian.DistributedDataParallel(net)
-        kaitian.Rebalancer(sampler, model)              # between epochs
+        kaitian.Rebalancer(sampler, model)      # every 25 steps or 10 s
         loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
 
     Args:
         sampler: the sampler whose split is changed.
         model: the :class:`kaitian.DistributedDataParallel` whose step timings
             are measured.
-        every: ``None`` re-balances in ``sampler.set_epoch`` (the new split is
-            used from that epoch); an integer ``K`` re-balances every ``K``
-            steps, effective from the next batch drawn (use the sampler's
-            ``batch_sampler()`` with ``num_workers=0`` for that mode, so all
-            ranks draw batches at the same point).
+        every: steps between rounds (default :data:`DEFAULT_EVERY`; ``1`` =
+            every step); a change takes effect from the next batch drawn (use
+            the sampler's ``batch_sampler()``; with DataLoader workers, batches
+            already prefetched keep the old size). ``"epoch"``: only in
+            ``sampler.set_epoch``, from that epoch on.
+        seconds: also start a round when this many seconds passed since the
+            last one (default :data:`DEFAULT_SECONDS`; ``0`` = off). Rank 0's
+            clock decides.
         smoothing: EMA weight of the newest measurement (1 = no smoothing).
         max_batch_size: this rank's largest batch (an int; ranks may pass
             different values, e.g. from their device memory), or a sequence
@@ -109,11 +120,10 @@ class Rebalancer:
             time drops by more than this fraction.
         warmup_steps: steps ignored after each split change (allocator and
             cache warm-up distort them) and at the start of each epoch.
-        measure: ``"busy"`` (default): a rank's time per step minus the time
-            it waited for the gradient allreduce - forward, backward,
-            optimizer and data loading, the rank's whole share of the step;
-            ``"compute"``: forward + backward only (first forward until the
-            last gradient bucket is ready).
+        measure: ``"busy"`` (default): a rank's time per step minus all its
+            collective waits - forward, backward, optimizer and data loading,
+            the rank's whole share of the step; ``"compute"``: forward +
+            backward only.
         group: the process group (default: the model's).
 
     Raises:
@@ -125,7 +135,8 @@ class Rebalancer:
         self,
         sampler: DistributedSampler,
         model,
-        every: Optional[int] = None,
+        every: Union[int, str, None] = None,
+        seconds: Optional[float] = None,
         smoothing: float = 0.5,
         max_batch_size: Optional[Union[int, Sequence[Optional[int]]]] = None,
         min_gain: float = 0.03,
@@ -140,15 +151,19 @@ class Rebalancer:
                 "Rebalancer needs the model wrapped in kaitian.DistributedDataParallel "
                 "(it measures the per-step compute time)"
             )
-        if every is not None and int(every) < 1:
-            raise ValueError(f"every must be a positive number of steps, got {every}")
+        by_epoch = every == "epoch"
+        if not by_epoch and every is not None and (isinstance(every, str) or int(every) < 1):
+            raise ValueError(f"every must be a positive number of steps or 'epoch', got {every!r}")
+        if seconds is not None and float(seconds) < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
         if measure not in ("busy", "compute"):
             raise ValueError(f"measure must be 'busy' or 'compute', got {measure!r}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.sampler = sampler
         self._device = model._kt_device
-        self.every = None if every is None else int(every)
+        self.every = None if by_epoch else (DEFAULT_EVERY if every is None else int(every))
+        self.seconds = 0.0 if by_epoch else (DEFAULT_SECONDS if seconds is None else float(seconds))
         self.smoothing = float(smoothing)
         self.min_gain = float(min_gain)
         self.warmup_steps = int(warmup_steps)
@@ -161,16 +176,19 @@ class Rebalancer:
         self._window_samples = 0
         self._skip = self.warmup_steps
         self._step = 0
+        self._last_round = time.monotonic()
+        self._recorder = model.recorder
         self.history: List[RebalanceDecision] = []
         # The model keeps the re-balancer alive; the re-balancer holds no
         # reference to the model (no cycle to outlive the process group).
         model._kt_keep_alive.append(self)
         model.add_step_listener(self._on_step)
         sampler.add_split_listener(self._on_split_change)
-        if self.every is None:
-            sampler.add_epoch_hook(self._on_epoch)
-        else:
+        sampler.add_epoch_hook(self._on_epoch)
+        if self.every is not None:
             model.add_before_step(self._on_before_step)
+            if self.seconds > 0:
+                model.set_round_vote(self._time_for_round)
 
     def _parse_caps(self, max_batch_size):
         if max_batch_size is None:
@@ -191,13 +209,16 @@ class Rebalancer:
         if self._skip > 0:
             self._skip -= 1
             return
-        spent = timing.compute_s if self.measure == "compute" else timing.step_s - timing.comm_s
+        if self.measure == "compute":
+            spent = timing.compute_s
+        else:
+            spent = timing.step_s - timing.comm_s - timing.wait_s
         if timing.samples > 0 and spent > 0:
             self._window_compute += spent
             self._window_samples += timing.samples
 
     def _on_split_change(self, old, new) -> None:
-        # Batches of the old size are still in flight when a mid-epoch change
+        # Batches of the old size may still be in flight when a mid-epoch change
         # is applied; skipping a few steps keeps them out of the next window.
         self._skip = self.warmup_steps
 
@@ -208,23 +229,28 @@ class Rebalancer:
 
     # -- triggers ---------------------------------------------------------------------
 
+    def _time_for_round(self) -> bool:
+        """Rank 0's vote, carried by the step's count exchange."""
+        return time.monotonic() - self._last_round >= self.seconds
+
     def _on_epoch(self, epoch: int) -> None:
-        if self._step > 0:
+        if self.every is None and self._step > 0:
             self.rebalance(after_draws=None)
         # The first step of an epoch also times what ran between epochs.
         self._skip = max(self._skip, self.warmup_steps)
 
-    def _on_before_step(self, step: int) -> None:
-        if step > 0 and step % self.every == 0:
+    def _on_before_step(self, step: int, round_requested: bool = False) -> None:
+        if step > 0 and (step % self.every == 0 or round_requested):
             self.rebalance(after_draws=0)
-            self._skip = max(self._skip, 1)  # this step's time includes the round
 
     # -- the round --------------------------------------------------------------------
 
     def rebalance(self, after_draws: Optional[int] = None) -> RebalanceDecision:
         """One re-balancing round; a collective, call it on every rank at the same point.
 
-        Called for you from ``set_epoch`` or every ``every`` steps.
+        Called for you every ``every`` steps / ``seconds`` seconds, or from
+        ``set_epoch`` with ``every="epoch"``. A round without new measurements
+        on some rank keeps the split.
 
         Args:
             after_draws: passed to :meth:`DistributedSampler.set_split`.
@@ -232,7 +258,9 @@ class Rebalancer:
         Returns:
             The decision, also appended to :attr:`history`.
         """
-        if self._window_samples > 0:
+        self._last_round = time.monotonic()
+        fresh = self._window_samples > 0
+        if fresh:
             measured = self._window_compute / self._window_samples
             self._ema = (
                 measured if self._ema is None
@@ -244,7 +272,8 @@ class Rebalancer:
         new, applied = list(old), False
         if all(t > 0 for t in per_sample):
             try:
-                new = plan_split(self.sampler.global_batch_size, per_sample, old, caps, self.min_gain)
+                new = plan_split(self.sampler.global_batch_size, per_sample, old, caps,
+                                 self.min_gain, self.sampler.min_batch_size)
             except SplitError as exc:
                 _log.warning("re-balancing skipped: %s", exc)
             if new != old:
@@ -255,6 +284,8 @@ class Rebalancer:
             old=old, new=new, applied=applied,
         )
         self.history.append(decision)
+        if self._recorder is not None:
+            self._recorder.record_rebalance(decision)
         _log.info(
             "rebalance at step %d: per-sample compute %s -> split %s%s",
             decision.step, ["%.3g" % t for t in per_sample], new, "" if applied else " (kept)",
@@ -262,18 +293,33 @@ class Rebalancer:
         return decision
 
     def _exchange(self):
-        """All ranks' smoothed times and caps; bit-identical on every rank (x + 0 is exact)."""
-        rank = self.sampler.rank
-        slots = torch.zeros(2 * self.world, dtype=torch.float32, device=self._device)
-        slots[rank] = float(self._ema) if self._ema is not None else 0.0
-        if self._own_cap is not None:
-            slots[self.world + rank] = float(self._own_cap)
-        if self.world > 1:
-            dist.all_reduce(slots, group=self.group)
-        values = slots.cpu().tolist()
-        per_sample = values[: self.world]
+        """All ranks' smoothed times and caps, bit-identical on every rank."""
+        own = [float(self._ema) if self._ema is not None else 0.0,
+               float(self._own_cap) if self._own_cap is not None else 0.0]
+        table = gather_per_rank(own, self.group, self._device)
+        per_sample = [row[0] for row in table]
         if self._caps is not None:
             caps = [None if c is None else int(c) for c in self._caps]
         else:
-            caps = [int(c) if c > 0 else None for c in values[self.world:]]
+            caps = [int(row[1]) if row[1] > 0 else None for row in table]
         return per_sample, caps
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The measurements of every rank (a collective: call it on every rank).
+
+        The same on every rank, so a ``torch.distributed.checkpoint`` keeps one copy.
+        """
+        per_sample, _ = self._exchange()
+        return {"per_sample_s": per_sample, "step": self._step, "world": self.world}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from :meth:`state_dict`: this rank's smoothed time per sample comes back."""
+        if int(state["world"]) != self.world:
+            raise ValueError(f"re-balancer state of {state['world']} ranks cannot resume {self.world}")
+        value = float(state["per_sample_s"][self.sampler.rank])
+        self._ema = value if value > 0 else None
+        self._step = int(state["step"])
+        self._window_compute, self._window_samples = 0.0, 0
+        self._skip = self.warmup_steps

@@ -11,38 +11,55 @@ Epoch layout (``N`` samples, global batch ``B``, split ``b_0 .. b_{W-1}``)::
 
     permutation(seed + epoch) -> [ step 0: b_0 | b_1 | ... ][ step 1 ] ... [ last ]
     steps = N // B full steps, plus one short step with the remaining N % B
-    samples split in proportion to b_r (each rank >= 1, <= b_r); if fewer than
-    W remain, the first samples of the permutation are repeated so that each
-    rank has one (padding, at most W - 1 samples). drop_last=True drops the
-    short step instead.
+    samples split in proportion to b_r (each rank >= min_batch_size, <= b_r);
+    if fewer than W x min_batch_size remain, the first samples of the
+    permutation are repeated so that each rank has its minimum (padding, at
+    most W x min_batch_size - 1 samples). drop_last=True drops the short step
+    instead.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 import weakref
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+import torch.utils.data
 
-from kaitian.settings import settings
 from kaitian.errors import SplitError
+from kaitian.settings import settings
+from kaitian.training.exchange import gather_per_rank
+from kaitian.training.listeners import Listeners
 
 __all__ = [
     "DistributedSampler",
+    "KaitianBatchSampler",
     "optimize_batch_size",
     "proportional_split",
     "gather_capabilities",
+    "latest_sampler",
+    "kaitian_sampler_of",
     "SplitError",
+    "DEFAULT_BATCH_SIZE",
 ]
 
 _log = logging.getLogger(__name__)
 
-# The most recently created sampler; ``optimize_batch_size`` answers from it.
-_LAST_SAMPLER: Optional["DistributedSampler"] = None
+DEFAULT_BATCH_SIZE = 32  # per rank of an equal split, when batch_size is not given
+
+# The most recently created sampler (weakly): optimize_batch_size and
+# scale_loss answer from it.
+_latest: Optional["weakref.ref"] = None
+_latest_local: Optional[tuple] = None  # (batch_size, local batch) of that sampler, kept after it is gone
+
+
+def latest_sampler() -> Optional["DistributedSampler"]:
+    """The most recently created :class:`DistributedSampler` still alive, or ``None``."""
+    return _latest() if _latest is not None else None
 
 
 def proportional_split(
@@ -134,21 +151,14 @@ def proportional_split(
     return result
 
 
-def _default_device() -> torch.device:
-    from kaitian.devices.rank import device
-
-    return device()
-
-
 def gather_capabilities(
     own: Optional[float],
     group: Optional[dist.ProcessGroup] = None,
 ) -> List[Optional[float]]:
     """Every rank's capability, exchanged through the process group.
 
-    Each rank writes its value into its own slot of a zero vector and the
-    vectors are summed, so the result is bit-identical on every rank (x + 0 is
-    exact) and all ranks derive the same split.
+    Bit-identical on every rank (:mod:`kaitian.training.exchange`), so all
+    ranks derive the same split.
 
     Args:
         own: this rank's capability (samples/s), or ``None`` if unknown.
@@ -157,12 +167,8 @@ def gather_capabilities(
     Returns:
         One entry per rank of the group, ``None`` where unknown.
     """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    slots = torch.zeros(world, dtype=torch.float32, device=_default_device())
-    slots[rank] = float(own) if own is not None and own > 0 else -1.0
-    dist.all_reduce(slots, group=group)
-    return [None if v <= 0 else float(v) for v in slots.cpu().tolist()]
+    value = float(own) if own is not None and own > 0 else -1.0
+    return [None if row[0] <= 0 else row[0] for row in gather_per_rank([value], group)]
 
 
 def _fill_unknown(capabilities: Sequence[Optional[float]]) -> List[float]:
@@ -170,13 +176,6 @@ def _fill_unknown(capabilities: Sequence[Optional[float]]) -> List[float]:
     known = [c for c in capabilities if c is not None and c > 0]
     fill = sum(known) / len(known) if known else 1.0
     return [float(c) if c is not None and c > 0 else fill for c in capabilities]
-
-
-def _weak_callable(callback):
-    """A weak reference to a bound method (no sampler <-> re-balancer cycle), else a strong one."""
-    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
-        return weakref.WeakMethod(callback)
-    return lambda: callback
 
 
 class _Pending:
@@ -187,31 +186,57 @@ class _Pending:
         self.at_draw = at_draw  # None: at the start of the next epoch
 
 
-class DistributedSampler(Sampler[int]):
-    """Like ``torch.utils.data.DistributedSampler``, with per-rank batches ∝ capability.
+def _calling_batch_sampler() -> Optional[torch.utils.data.BatchSampler]:
+    """The torch ``BatchSampler`` iterating this sampler, if that is who asks.
+
+    ``DataLoader(batch_size=B, sampler=s)`` wraps ``s`` in a ``BatchSampler``
+    whose ``__iter__`` frame drives ours; reading it lets the first step say
+    that ``B`` does not match this rank's share of the split.
+    """
+    try:
+        caller = sys._getframe(2).f_locals.get("self")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(caller, torch.utils.data.BatchSampler) and not isinstance(caller, KaitianBatchSampler):
+        return caller
+    return None
+
+
+class DistributedSampler(torch.utils.data.DistributedSampler):
+    """torch's ``DistributedSampler`` with per-rank batches in proportion to each device's speed.
+
+    A subclass of ``torch.utils.data.DistributedSampler`` with its constructor
+    (so Lightning and Accelerate recognise it and do not shard it again), plus
+    ``batch_size``: the per-rank batch of an equal split, as you would give
+    torch's DataLoader; the global batch is ``batch_size * num_replicas``.
 
     Use it either way:
 
-    * classic: ``DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)``
-      (the split is fixed while that loader lives; rebuild the loader after
-      ``set_epoch`` if a :class:`kaitian.Rebalancer` may change the split);
-    * adaptive: ``DataLoader(ds, batch_sampler=sampler.batch_sampler())`` -
-      follows split changes by itself, also within an epoch.
+    * adaptive (recommended): ``DataLoader(ds, batch_sampler=sampler.batch_sampler())``
+      follows split changes by itself, also within an epoch;
+    * classic: ``DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)``;
+      the split is fixed while that loader lives. A ``batch_size`` that does
+      not match this rank's share is refused at the first step.
 
     Args:
         dataset: the dataset (only its length is used).
-        batch_size: the per-rank batch of an equal split, as you would give
-            torch's DataLoader; the global batch is ``batch_size * num_replicas``.
         num_replicas: number of ranks (default: the process group's world size,
             1 without a process group).
         rank: this rank (default: the process group rank, 0 without one).
         shuffle: shuffle with ``seed + epoch``.
         seed: base seed; must be the same on every rank.
         drop_last: drop the last, short step instead of splitting it.
+        batch_size: per-rank batch of an equal split (default
+            :data:`DEFAULT_BATCH_SIZE` = 32); the split itself follows the
+            capabilities.
         capabilities: samples/s per rank (sequence or ``{rank: value}``). Default:
-            each rank's ``KAITIAN_CAPABILITY``, exchanged through the process
-            group; equal split when unknown.
+            each rank's ``KAITIAN_CAPABILITY`` (from ``kaitian init``),
+            exchanged through the process group; equal split when unknown.
         group: process group used to exchange capabilities.
+        min_batch_size: the smallest batch any rank gets in any step (the
+            short last step included); 2 suits BatchNorm, which cannot take 1.
+            :class:`kaitian.DistributedDataParallel` raises it to 2 when the
+            model has BatchNorm.
 
     Raises:
         SplitError: the batch cannot be split (e.g. ``batch_size < 1``).
@@ -221,42 +246,59 @@ class DistributedSampler(Sampler[int]):
     def __init__(
         self,
         dataset,
-        batch_size: int,
         num_replicas: Optional[int] = None,
         rank: Optional[int] = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        batch_size: Optional[int] = None,
         capabilities: Optional[Union[Sequence[Optional[float]], Mapping[int, float]]] = None,
         group: Optional[dist.ProcessGroup] = None,
+        min_batch_size: int = 1,
     ) -> None:
-        global _LAST_SAMPLER
+        global _latest, _latest_local
         initialized = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size(group) if initialized else None
+        if batch_size is None and num_replicas is not None and world is not None and num_replicas != world:
+            raise SplitError(
+                f"DistributedSampler(dataset, {num_replicas}): the second argument is num_replicas "
+                f"(torch's order) but the world has {world} ranks; pass batch_size={num_replicas}"
+            )
         if num_replicas is None:
-            num_replicas = dist.get_world_size(group) if initialized else 1
+            num_replicas = world if world is not None else 1
         if rank is None:
             rank = dist.get_rank(group) if initialized else 0
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}]")
-        if int(batch_size) < 1:
+        batch_size = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
+        if batch_size < 1:
             raise SplitError(f"batch_size must be at least 1, got {batch_size}")
+        if int(min_batch_size) < 1 or int(min_batch_size) > batch_size:
+            raise SplitError(f"min_batch_size must be in [1, batch_size={batch_size}], got {min_batch_size}")
+        # torch's attributes, under torch's names
         self.dataset = dataset
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
-        self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.epoch = 0
+        self.batch_size = batch_size
+        self.min_batch_size = int(min_batch_size)
         self.global_batch_size = self.batch_size * self.num_replicas
         self.capabilities = self._resolve_capabilities(capabilities, initialized, group)
-        self._split = proportional_split(self.global_batch_size, self.capabilities)
+        self._split = proportional_split(self.global_batch_size, self.capabilities, minimum=self.min_batch_size)
         self._pending: Optional[_Pending] = None
         self._draws = 0  # batches handed out by batch_sampler(), over all epochs
+        self._epoch_step = 0  # batches handed out in the current epoch
+        self._resume_step: Optional[tuple] = None  # (epoch, step) from load_state_dict
         self._batch_mode = False  # batch_sampler() was asked for
-        self._listeners: List = []
-        self._epoch_hooks: List = []
-        _LAST_SAMPLER = self
+        self.last_batch_size = self._split[self.rank]  # size of the batch handed out last
+        self._split_listeners = Listeners()
+        self._epoch_listeners = Listeners()
+        _latest = weakref.ref(self)
+        _latest_local = (self.batch_size, self.local_batch_size)
         _log.info(
             "rank %d: global batch %d split %s (capabilities %s)",
             self.rank, self.global_batch_size, self._split, self.capabilities,
@@ -290,12 +332,41 @@ class DistributedSampler(Sampler[int]):
         """This rank's batch per step under the current split."""
         return self._split[self.rank]
 
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank yields per epoch (torch's attribute)."""
+        return len(self)
+
+    @property
+    def total_size(self) -> int:
+        """Samples all ranks yield per epoch, padding included (torch's attribute)."""
+        full, rest = self._layout()
+        return full * self.global_batch_size + (sum(rest) if rest else 0)
+
+    def require_min_batch_size(self, minimum: int) -> None:
+        """Raises :attr:`min_batch_size` (e.g. to 2 for BatchNorm); re-splits if a rank is below it.
+
+        Call it on every rank alike (it changes the split).
+        """
+        minimum = int(minimum)
+        if minimum <= self.min_batch_size:
+            return
+        if minimum * self.num_replicas > self.global_batch_size:
+            raise SplitError(
+                f"a minimum batch of {minimum} per rank needs a global batch of at least "
+                f"{minimum * self.num_replicas}, not {self.global_batch_size}; raise batch_size"
+            )
+        self.min_batch_size = minimum
+        if min(self._split) < minimum:
+            self._split = proportional_split(self.global_batch_size, self._split, minimum=minimum)
+
     def set_split(self, batch_sizes: Sequence[int], after_draws: Optional[int] = None) -> None:
         """Changes the per-rank batch sizes. Call it with the same values on every rank.
 
         Args:
-            batch_sizes: one positive size per rank; they must add up to the
-                global batch, so the number of steps per epoch stays the same.
+            batch_sizes: one size per rank, each at least :attr:`min_batch_size`;
+                they must add up to the global batch, so the number of steps
+                per epoch stays the same.
             after_draws: ``None`` applies the split from the next epoch (next
                 ``__iter__``). An integer ``k`` applies it to the batch sampler
                 after ``k`` more batches are drawn (``0`` = the next batch), so
@@ -303,13 +374,13 @@ class DistributedSampler(Sampler[int]):
                 it at the same point of its program.
 
         Raises:
-            SplitError: wrong length, a size below 1, or the wrong sum.
+            SplitError: wrong length, a size below the minimum, or the wrong sum.
         """
         sizes = [int(s) for s in batch_sizes]
         if len(sizes) != self.num_replicas:
             raise SplitError(f"split has {len(sizes)} entries for {self.num_replicas} ranks")
-        if min(sizes) < 1:
-            raise SplitError(f"every rank needs a batch of at least 1, got {sizes}")
+        if min(sizes) < self.min_batch_size:
+            raise SplitError(f"every rank needs a batch of at least {self.min_batch_size}, got {sizes}")
         if sum(sizes) != self.global_batch_size:
             raise SplitError(
                 f"split {sizes} adds up to {sum(sizes)}, not the global batch {self.global_batch_size}"
@@ -319,7 +390,7 @@ class DistributedSampler(Sampler[int]):
 
     def add_split_listener(self, callback) -> None:
         """Calls ``callback(old_split, new_split)`` whenever a new split takes effect."""
-        self._listeners.append(_weak_callable(callback))
+        self._split_listeners.add(callback)
 
     def _apply_pending(self, at_epoch_start: bool) -> None:
         p = self._pending
@@ -329,10 +400,7 @@ class DistributedSampler(Sampler[int]):
             old, self._split, self._pending = self._split, list(p.sizes), None
             if old != self._split:
                 _log.info("rank %d: new split %s (was %s)", self.rank, self._split, old)
-                for ref in list(self._listeners):
-                    cb = ref()
-                    if cb is not None:
-                        cb(old, list(self._split))
+                self._split_listeners(old, list(self._split))
 
     # -- epoch layout -------------------------------------------------------------
 
@@ -364,9 +432,9 @@ class DistributedSampler(Sampler[int]):
                     f"{self.global_batch_size} leaves no step; lower batch_size"
                 )
             return full, None
-        # Pad the last step to one sample per rank at least.
-        remainder = max(remainder, self.num_replicas)
-        return full, proportional_split(remainder, split, caps=split)
+        # Pad the last step so that every rank gets its minimum batch.
+        remainder = max(remainder, self.min_batch_size * self.num_replicas)
+        return full, proportional_split(remainder, split, caps=split, minimum=self.min_batch_size)
 
     def _permutation(self) -> List[int]:
         n = len(self.dataset)
@@ -389,12 +457,17 @@ class DistributedSampler(Sampler[int]):
         start = step * self.global_batch_size + sum(sizes[: self.rank])
         return self._take(perm, start, sizes[self.rank])
 
+    def _first_step(self) -> int:
+        """Where this epoch starts: 0, or the step saved by :meth:`state_dict`."""
+        resume, self._resume_step = self._resume_step, None
+        if resume is not None and resume[0] == self.epoch:
+            return resume[1]
+        return 0
+
     def __iter__(self) -> Iterator[int]:
         before = list(self._split)
         self._apply_pending(at_epoch_start=True)
         if self._split != before and not self._batch_mode:
-            # A DataLoader(batch_size=...) keeps the old size: ranks would then
-            # run different numbers of steps and the job would hang.
             _log.warning(
                 "rank %d: the split changed to %s; a DataLoader built with "
                 "batch_size=%d must be rebuilt (or use batch_sampler=sampler.batch_sampler())",
@@ -403,38 +476,95 @@ class DistributedSampler(Sampler[int]):
         perm = self._permutation()
         full, rest = self._layout()
         split = list(self._split)
-        for step in range(full + (1 if rest else 0)):
-            yield from self._step_indices(perm, step, full, rest, split)
+        first = self._first_step()
+        loader = _calling_batch_sampler()
+        if loader is not None and loader.batch_size != split[self.rank]:
+            raise SplitError(
+                f"rank {self.rank}: DataLoader(batch_size={loader.batch_size}, sampler=kaitian sampler) "
+                f"but kaitian's split {split} gives this rank {split[self.rank]} samples per step, so "
+                "ranks would run different numbers of steps; use "
+                "DataLoader(ds, batch_sampler=sampler.batch_sampler()) (follows re-balancing) or "
+                "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
+            )
+        for step in range(first, full + (1 if rest else 0)):
+            self._epoch_step = step + 1
+            indices = self._step_indices(perm, step, full, rest, split)
+            self.last_batch_size = len(indices)
+            yield from indices
 
     def epoch_batches(self) -> Iterator[List[int]]:
         """This rank's batches for the current epoch, following split changes."""
         self._apply_pending(at_epoch_start=True)
         perm = self._permutation()
         full, _ = self._layout()
-        steps = self.num_steps
-        for step in range(steps):
+        for step in range(self._first_step(), self.num_steps):
             self._apply_pending(at_epoch_start=False)
             split = list(self._split)
             _, rest = self._layout(split)
             self._draws += 1
-            yield self._step_indices(perm, step, full, rest, split)
+            self._epoch_step = step + 1
+            indices = self._step_indices(perm, step, full, rest, split)
+            self.last_batch_size = len(indices)
+            yield indices
 
-    def batch_sampler(self) -> "_BatchSampler":
+    def batch_sampler(self) -> "KaitianBatchSampler":
         """A batch sampler for ``DataLoader(ds, batch_sampler=...)`` that follows the split."""
-        self._batch_mode = True
-        return _BatchSampler(self)
+        return KaitianBatchSampler(self)
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch (reshuffles with ``seed + epoch``); call it before each epoch."""
         self.epoch = int(epoch)
-        for ref in list(self._epoch_hooks):
-            cb = ref()
-            if cb is not None:
-                cb(self.epoch)
+        self._epoch_step = 0
+        self._epoch_listeners(self.epoch)
 
     def add_epoch_hook(self, callback) -> None:
         """Calls ``callback(epoch)`` from :meth:`set_epoch` (used by the re-balancer)."""
-        self._epoch_hooks.append(_weak_callable(callback))
+        self._epoch_listeners.add(callback)
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self, step: Optional[int] = None) -> Dict[str, Any]:
+        """Where this sampler is, the same on every rank: epoch, step in it, split.
+
+        Args:
+            step: batches of the current epoch already trained. Default: the
+                batches handed out so far, right with ``num_workers=0``; a
+                DataLoader with workers draws ahead, so pass the trained count.
+        """
+        pending = None
+        if self._pending is not None:
+            at = self._pending.at_draw
+            pending = [list(self._pending.sizes), None if at is None else max(0, at - self._draws)]
+        return {
+            "epoch": self.epoch,
+            "step": self._epoch_step if step is None else int(step),
+            "split": list(self._split),
+            "pending": pending,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "num_replicas": self.num_replicas,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from :meth:`state_dict`: the next epoch's iteration starts at the saved step.
+
+        Raises:
+            SplitError: the checkpoint is from a job with another world size or global batch.
+        """
+        if int(state["num_replicas"]) != self.num_replicas or int(state["global_batch_size"]) != self.global_batch_size:
+            raise SplitError(
+                f"checkpoint of {state['num_replicas']} ranks with global batch {state['global_batch_size']} "
+                f"cannot resume {self.num_replicas} ranks with global batch {self.global_batch_size}"
+            )
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self._split = [int(s) for s in state["split"]]
+        pending = state.get("pending")
+        self._pending = None if not pending else _Pending(
+            [int(s) for s in pending[0]], None if pending[1] is None else self._draws + int(pending[1])
+        )
+        self._resume_step = (self.epoch, int(state["step"]))
+        self._epoch_step = int(state["step"])
 
     def state(self) -> Dict[str, object]:
         """A summary for logs: rank, split, capabilities, steps."""
@@ -446,17 +576,37 @@ class DistributedSampler(Sampler[int]):
         }
 
 
-class _BatchSampler:
-    """Yields this rank's index lists step by step, reading the split lazily."""
+class KaitianBatchSampler(torch.utils.data.BatchSampler):
+    """Yields this rank's index lists step by step, reading the split as it goes.
 
-    def __init__(self, sampler: DistributedSampler) -> None:
+    A ``BatchSampler`` (what trainers expect after ``batch_sampler=``), driven
+    by a :class:`DistributedSampler`.
+    """
+
+    def __init__(self, sampler: DistributedSampler) -> None:  # torch's __init__ checks a fixed size
+        sampler._batch_mode = True
         self.sampler = sampler
+        self.drop_last = sampler.drop_last
+
+    @property
+    def batch_size(self) -> int:  # type: ignore[override]
+        """This rank's batch under the current split."""
+        return self.sampler.local_batch_size
 
     def __iter__(self) -> Iterator[List[int]]:
         return self.sampler.epoch_batches()
 
     def __len__(self) -> int:
         return self.sampler.num_steps
+
+
+def kaitian_sampler_of(loader) -> Optional[DistributedSampler]:
+    """The :class:`DistributedSampler` behind a DataLoader (``sampler=`` or ``batch_sampler=``), or ``None``."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(batch_sampler, KaitianBatchSampler):
+        return batch_sampler.sampler
+    sampler = getattr(loader, "sampler", None)
+    return sampler if isinstance(sampler, DistributedSampler) else None
 
 
 def optimize_batch_size(batch_size: int) -> int:
@@ -472,9 +622,11 @@ def optimize_batch_size(batch_size: int) -> int:
     Returns:
         This rank's batch under the capability split.
     """
-    s = _LAST_SAMPLER
+    s = latest_sampler()
     if s is not None and s.batch_size == int(batch_size):
         return s.local_batch_size
+    if s is None and _latest_local is not None and _latest_local[0] == int(batch_size):
+        return _latest_local[1]
     initialized = dist.is_available() and dist.is_initialized()
     if not initialized:
         return int(batch_size)

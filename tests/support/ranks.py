@@ -79,12 +79,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def shm_segments() -> set:
-    """Names in /dev/shm that look like kaitian's."""
+def shm_segments(pids: Optional[Sequence[int]] = None) -> set:
+    """Names in /dev/shm that look like kaitian's; with ``pids``, only the segments
+    those processes created (a kaitian segment's name carries its creator's pid),
+    so that other jobs on the machine do not count."""
     try:
-        return {n for n in os.listdir("/dev/shm") if "kaitian" in n.lower() or n.startswith("kt")}
+        names = {n for n in os.listdir("/dev/shm") if "kaitian" in n.lower() or n.startswith("kt")}
     except FileNotFoundError:
         return set()
+    if pids is None:
+        return names
+    wanted = {str(p) for p in pids}
+    return {n for n in names if n.startswith("kaitian-") and n.split("-")[2:3] and n.split("-")[2] in wanted}
 
 
 def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Optional[str] = None) -> RankRun:
@@ -151,7 +157,7 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     time.sleep(0.2)
-    leftover = sorted(shm_segments() - before)
+    leftover = sorted(shm_segments([p.pid for p in procs]) - before)
     return RankRun([p.returncode for p in procs], logs, outs, timed_out, time.monotonic() - start, workdir,
                    leftover)
 

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from kaitian.training.capability import CapabilityConfigError, load_capabilities
-from kaitian.training.monitor import AgentMonitor, StepRecorder
+from kaitian.launcher.monitor import AgentMonitor
+from kaitian.training.steps import StepRecorder
 from kaitian.training.ddp import StepTiming
 
 from support import REPO as ROOT
@@ -89,7 +90,7 @@ def test_monitor_writes_plot_and_summary(tmp_path):
     row0 = lines[1].split()
     assert row0[:5] == ["0", "cpu:0", "cpu0", "5", "160"]
     assert float(row0[6]) == pytest.approx(1600.0)  # 32 samples per 20 ms
-    assert float(row0[11]) > 5  # the busy loop's CPU share was sampled
+    assert float(row0[12]) > 5  # the busy loop's CPU share was sampled
     assert "job throughput: 4800.0 samples/s" in table
     util = [json.loads(l) for l in (tmp_path / "utilisation.jsonl").read_text().splitlines()]
     assert {u["rank"] for u in util} == {0, 1}

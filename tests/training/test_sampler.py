@@ -19,7 +19,7 @@ caps_strategy = st.lists(
 
 def _ranks(n, batch, caps, **kw):
     return [
-        DistributedSampler(list(range(n)), batch, num_replicas=len(caps), rank=r,
+        DistributedSampler(list(range(n)), batch_size=batch, num_replicas=len(caps), rank=r,
                            capabilities=caps, **kw)
         for r in range(len(caps))
     ]
@@ -151,9 +151,9 @@ def test_bad_split_is_refused(bad, match):
 
 
 def test_unknown_capabilities_get_the_known_mean():
-    s = DistributedSampler(range(100), 10, num_replicas=3, rank=0, capabilities={0: 4.0, 2: 2.0})
+    s = DistributedSampler(range(100), batch_size=10, num_replicas=3, rank=0, capabilities={0: 4.0, 2: 2.0})
     assert s.capabilities == [4.0, 3.0, 2.0]
-    assert DistributedSampler(range(100), 10, num_replicas=2, rank=1).split == [10, 10]
+    assert DistributedSampler(range(100), batch_size=10, num_replicas=2, rank=1).split == [10, 10]
 
 
 def test_proportional_split_caps_and_errors():
@@ -166,11 +166,70 @@ def test_proportional_split_caps_and_errors():
 
 
 def test_optimize_batch_size_follows_the_last_sampler():
-    s = DistributedSampler(range(100), 16, num_replicas=2, rank=1, capabilities=[3.0, 1.0])
+    s = DistributedSampler(range(100), batch_size=16, num_replicas=2, rank=1, capabilities=[3.0, 1.0])
     assert kaitian.optimize_batch_size(16) == s.local_batch_size == 8
     assert kaitian.optimize_batch_size(7) == 7  # no process group, no sampler for 7
 
 
 def test_rank_out_of_range():
     with pytest.raises(ValueError, match="not in"):
-        DistributedSampler(range(10), 2, num_replicas=2, rank=2)
+        DistributedSampler(range(10), batch_size=2, num_replicas=2, rank=2)
+
+
+def test_is_a_torch_distributed_sampler_with_a_batch_sampler():
+    import torch.utils.data as tud
+
+    s = DistributedSampler(range(100), 2, 1, batch_size=10, capabilities=[3.0, 1.0])
+    assert isinstance(s, tud.DistributedSampler) and (s.num_replicas, s.rank) == (2, 1)
+    bs = s.batch_sampler()
+    assert isinstance(bs, tud.BatchSampler) and bs.batch_size == s.local_batch_size == 5
+    assert s.num_samples == len(s) == sum(len(b) for b in bs)
+    assert DistributedSampler(range(100), num_replicas=2, rank=0).batch_size == 32  # the default
+
+
+def test_a_dataloader_batch_size_that_does_not_match_is_caught_at_the_first_step():
+    import torch.utils.data as tud
+
+    s = DistributedSampler(range(100), num_replicas=2, rank=0, batch_size=8, capabilities=[3.0, 1.0])
+    with pytest.raises(SplitError, match=r"batch_size=8, sampler=kaitian sampler.*gives this rank 12 .*"
+                                          r"batch_sampler=sampler.batch_sampler\(\)"):
+        next(iter(tud.DataLoader(range(100), batch_size=8, sampler=s)))
+    batches = [b.tolist() for b in tud.DataLoader(range(100), batch_size=s.local_batch_size, sampler=s)]
+    assert batches == list(s.epoch_batches())
+
+
+def test_state_dict_resumes_mid_epoch_without_repeats_or_gaps():
+    def make():
+        return DistributedSampler(range(90), num_replicas=2, rank=1, batch_size=8, seed=3,
+                                  capabilities=[1.0, 1.0])
+
+    full = make()
+    full.set_epoch(2)
+    want = list(full.epoch_batches())
+    first = make()
+    first.set_epoch(2)
+    it = first.epoch_batches()
+    seen = [next(it) for _ in range(3)]
+    first.set_split([6, 10], after_draws=0)  # a re-balance was pending at the checkpoint
+    state = first.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed.epoch_batches())
+    assert seen == want[:3] and len(seen) + len(rest) == resumed.num_steps
+    assert resumed.split == [6, 10] and all(len(b) == 10 for b in rest[:-1])
+    # the other rank resumes alike: together every sample once
+    other = DistributedSampler(range(90), num_replicas=2, rank=0, batch_size=8, seed=3, capabilities=[1.0, 1.0])
+    other.load_state_dict(state)
+    mine = [i for b in rest for i in b] + [i for b in list(other.epoch_batches()) for i in b]
+    first_part = [i for b in seen for i in b] + [i for b in _rank0_first(3) for i in b]
+    assert sorted(mine + first_part) == list(range(90))
+    with pytest.raises(SplitError, match="cannot resume"):
+        DistributedSampler(range(90), num_replicas=2, rank=0, batch_size=9).load_state_dict(state)
+
+
+def _rank0_first(n):
+    s = DistributedSampler(range(90), num_replicas=2, rank=0, batch_size=8, seed=3, capabilities=[1.0, 1.0])
+    s.set_epoch(2)
+    it = s.epoch_batches()
+    return [next(it) for _ in range(n)]
+

@@ -33,11 +33,11 @@ def run_case(n_samples, caps, batch_size, epochs, user_hook, rank, world):
     y = torch.randint(0, 3, (n_samples,), generator=g)
     dataset = list(range(n_samples))
     samplers = [
-        kaitian.DistributedSampler(dataset, batch_size, num_replicas=world, rank=q,
+        kaitian.DistributedSampler(dataset, batch_size=batch_size, num_replicas=world, rank=q,
                                    capabilities=caps, seed=7)
         for q in range(world)
     ]
-    mine = kaitian.DistributedSampler(dataset, batch_size, capabilities=caps, seed=7)
+    mine = kaitian.DistributedSampler(dataset, batch_size=batch_size, capabilities=caps, seed=7)
     assert mine.split == samplers[rank].split
     model = kaitian.DistributedDataParallel(make_model())
     if user_hook:
@@ -89,7 +89,7 @@ def main():
     group = os.environ.get("KAITIAN_GROUP", "")
     # capabilities from each rank's KAITIAN_CAPABILITY, exchanged through the group
     os.environ["KAITIAN_CAPABILITY"] = str(10.0 * (rank + 1))
-    results["env_split"] = kaitian.DistributedSampler(range(100), 10).split
+    results["env_split"] = kaitian.DistributedSampler(range(100), batch_size=10).split
     del os.environ["KAITIAN_CAPABILITY"]
     results["optimize_batch_size"] = kaitian.optimize_batch_size(10)
     gathered = [None] * world

@@ -37,7 +37,8 @@ class Net(torch.nn.Module):
 
 def main():
     backend, slow_rank, extra, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    every = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    every = sys.argv[5] if len(sys.argv) > 5 else None
+    every = int(every) if every not in (None, "epoch") else every
     torch.set_num_threads(1)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,143 @@
+"""Exact global-batch weighting that works with any DDP: scale each rank's loss by ``n_r · W / N``.
+
+Torch's DDP averages the ranks' gradients: ``g = (1/W) Σ_r ∇L_r``. When rank
+``r`` holds ``n_r`` of the step's ``N`` samples and ``L_r`` is the mean over
+its own batch, scaling its loss first by ``n_r · W / N`` makes that average
+the mean over the global batch, ``Σ_r n_r ∇L_r / N``. The scaling happens
+before backward, so it stays exact where the forward couples ranks
+(SyncBatchNorm, losses over gathered embeddings) and with any communication
+hook, the built-in C++ ones included: nothing is re-weighted after gradients
+have crossed ranks.
+
+``count`` may be anything the loss is a mean over: samples, or tokens for a
+language-model loss averaged over non-padding tokens.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from kaitian.errors import TrainingError
+from kaitian.training.exchange import gather_per_rank
+
+__all__ = ["scale_loss", "global_count", "StepCheck", "check_steps", "current_epoch"]
+
+Count = Union[int, float, torch.Tensor]
+
+
+def _world(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _as_float(count: Count) -> float:
+    return float(count.item()) if isinstance(count, torch.Tensor) else float(count)
+
+
+class StepCheck:
+    """Tags each exchange with (epoch, step in epoch) so ranks at different steps are caught.
+
+    A DataLoader that gives ranks different numbers of batches makes their
+    collectives pair up wrongly; the tag names the ranks instead of hanging or
+    mixing steps.
+    """
+
+    def __init__(self) -> None:
+        self._epoch: Optional[int] = None
+        self._step = 0
+
+    def next_tag(self, epoch: int) -> List[float]:
+        if epoch != self._epoch:
+            self._epoch, self._step = epoch, 0
+        tag = [float(epoch), float(self._step)]
+        self._step += 1
+        return tag
+
+
+def check_steps(tags: Sequence[Sequence[float]], what: str = "step") -> None:
+    """Raises :class:`TrainingError` naming the ranks if their (epoch, step) tags differ."""
+    if len({(int(e), int(s)) for e, s in tags}) <= 1:
+        return
+    where = ", ".join(f"rank {r} at epoch {int(e)} {what} {int(s)}" for r, (e, s) in enumerate(tags))
+    raise TrainingError(
+        f"ranks are at different steps ({where}): their loaders give them different numbers of "
+        "batches; use DataLoader(ds, batch_sampler=sampler.batch_sampler()) or "
+        "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
+    )
+
+
+_check = StepCheck()
+
+
+def current_epoch() -> int:
+    """The epoch of the newest kaitian sampler (0 without one): the tag of each exchange."""
+    from kaitian.training.sampler import latest_sampler
+
+    sampler = latest_sampler()
+    return sampler.epoch if sampler is not None else 0
+
+
+def _default_count() -> int:
+    from kaitian.training.sampler import latest_sampler
+
+    sampler = latest_sampler()
+    if sampler is None:
+        raise TrainingError(
+            "kaitian.scale_loss(loss) needs count= (this rank's samples or tokens in the loss) "
+            "when no kaitian.DistributedSampler is in use"
+        )
+    return sampler.last_batch_size
+
+
+def global_count(count: Count, group: Optional[dist.ProcessGroup] = None) -> float:
+    """The sum of ``count`` over all ranks (a collective: call it on every rank).
+
+    Use it for the ``total`` of :func:`scale_loss` over a gradient-accumulation
+    window: ``total = global_count(sum of this rank's counts in the window)``.
+    """
+    if _world(group) == 1:
+        return _as_float(count)
+    counts = gather_per_rank([_as_float(count), *_check.next_tag(current_epoch())], group)
+    check_steps([row[1:] for row in counts])
+    return sum(row[0] for row in counts)
+
+
+def scale_loss(
+    loss: torch.Tensor,
+    count: Optional[Count] = None,
+    total: Optional[Count] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """This rank's mean loss scaled so that any DDP's average is the global-batch mean.
+
+    ``loss * count * W / total``; back-propagate the result instead of ``loss``.
+
+    Args:
+        loss: the mean loss over this rank's batch (``reduction="mean"``).
+        count: what ``loss`` is a mean over on this rank: samples or tokens.
+            Default: the size of the batch kaitian's sampler handed out last
+            (right with ``num_workers=0``; a DataLoader with workers draws
+            ahead, so pass ``count=len(batch)`` there).
+        total: ``count`` summed over all ranks for the synchronised step.
+            Default: exchanged here (a collective on every call; it also
+            checks that all ranks are at the same step). With gradient
+            accumulation pass the total over the whole window
+            (:func:`global_count`) and do not divide the loss by the number
+            of micro-batches: the accumulated gradient is then the mean over
+            every sample of the window.
+        group: the DDP's process group (default: the world).
+
+    Returns:
+        The scaled loss.
+    """
+    own = _as_float(_default_count() if count is None else count)
+    world = _world(group)
+    if total is None:
+        total = global_count(own, group)
+    total = _as_float(total)
+    if total <= 0:
+        raise TrainingError(f"scale_loss: the global count is {total}; every step needs samples")
+    return loss * (own * world / total)
+

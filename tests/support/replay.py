@@ -1,0 +1,61 @@
+"""Replays an integration example's logged global batches in one process.
+
+The examples in ``examples/`` log every rank's sample indices per optimizer
+step; training the same model on the union of each step's batches in one
+process is what the distributed run must reproduce.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+from support import REPO
+
+__all__ = ["examples_common", "replay_weights", "logged_batches", "max_difference"]
+
+
+def examples_common():
+    """The examples' shared module (dataset, model)."""
+    spec = importlib.util.spec_from_file_location("examples_common", os.path.join(REPO, "examples", "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay_weights(log_dir: str, world: int, lr: float, momentum: float = 0.0) -> List[List[float]]:
+    """The weights after SGD on the union of the ranks' logged batches, step by step."""
+    common = examples_common()
+    x, y, _ = common.make_dataset().tensors
+    logs = logged_batches(log_dir, world)
+    assert len({len(log) for log in logs}) == 1, [len(log) for log in logs]
+    return _train(logs, x, y, common.make_model(), lr, momentum)
+
+
+def logged_batches(log_dir: str, world: int) -> List[List[List[int]]]:
+    """Per rank, per step: the sample indices the run logged."""
+    logs = []
+    for rank in range(world):
+        with open(os.path.join(log_dir, f"rank-{rank}.jsonl"), encoding="utf-8") as f:
+            logs.append([json.loads(line) for line in f if line.strip()])
+    return logs
+
+
+def _train(logs, x, y, model, lr, momentum):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for step in zip(*logs):
+        union = [i for part in step for i in part]
+        opt.zero_grad()
+        F.mse_loss(model(x[union]), y[union]).backward()
+        opt.step()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def max_difference(a: List[List[float]], b: List[List[float]]) -> float:
+    assert [len(p) for p in a] == [len(p) for p in b]
+    return max(abs(u - v) for p, q in zip(a, b) for u, v in zip(p, q))

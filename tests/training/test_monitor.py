@@ -1,0 +1,31 @@
+"""The monitor's report: communication vs imbalance wait, re-balancing rounds, the plot."""
+
+import time
+
+from kaitian.launcher.monitor import AgentMonitor, split_wait
+from kaitian.training.ddp import StepTiming
+from kaitian.training.rebalance import RebalanceDecision
+from kaitian.training.steps import StepRecorder
+
+
+def test_wait_is_separated_from_communication_and_rounds_are_reported(tmp_path):
+    start = time.time()
+    for rank, comm in ((0, 0.030), (1, 0.005)):  # rank 1 is the slow one: it waits least
+        rec = StepRecorder(str(tmp_path / f"rank-{rank}.jsonl"), rank, {"device": f"cpu:{rank}", "group": f"cpu{rank}"})
+        for step in range(6):
+            rec.record_step(StepTiming(step=step, samples=48 if rank == 0 else 16, global_samples=64,
+                                       compute_s=0.05, comm_s=comm, step_s=0.1, end=start + 0.1 * step,
+                                       wait_s=0.002))
+        rec.record_rebalance(RebalanceDecision(step=3, epoch=0, per_sample_s=[1e-3, 3e-3],
+                                               old=[32, 32], new=[48, 16], applied=True))
+        rec.flush()
+    mon = AgentMonitor(str(tmp_path))
+    table = mon.report()
+    waits = split_wait({0: [{"step": 0, "comm_s": 0.25}], 1: [{"step": 0, "comm_s": 0.125}]})
+    assert waits == {0: [(0.125, 0.125)], 1: [(0.125, 0.0)]}
+    rows = [line.split() for line in table.splitlines()[1:3]]
+    # COMM MS is the allreduce itself (5 ms for both), WAIT MS the excess plus other collectives
+    assert [r[9] for r in rows] == ["5.0", "5.0"]
+    assert [r[10] for r in rows] == ["27.0", "2.0"]
+    assert "1 re-balancing round(s), 1 changed the split (last: [48, 16] at step 3)" in table
+    assert (tmp_path / "monitor.png").stat().st_size > 1000

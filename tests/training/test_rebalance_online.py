@@ -1,0 +1,42 @@
+"""Online re-balancing in a real 2-rank job (two simulated vendor groups, backend kaitian)."""
+
+import json
+
+from support import worker
+from support.ranks import Layout, cleanup, run_ranks, tail
+
+
+def _run(*args, timeout=180):
+    run = run_ranks(Layout("1+1"), [worker("slowdown"), *args], timeout=timeout)
+    try:
+        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        out = []
+        for path in run.outs:
+            with open(path) as f:
+                out.append(json.load(f))
+        return out
+    finally:
+        cleanup(run)
+
+
+def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
+    """Default settings (a round every 25 steps or 10 s): rank 1 becomes 5x slower at
+    step 80 of a 240-step epoch; within 3 rounds (75 steps) most of the batch has moved."""
+    r0, r1 = _run("--steps", "240", "--slow-from", "80")
+    assert (r0["every"], r0["seconds"]) == (25, 10.0)
+    assert r0["history"] == r1["history"], "ranks disagree on the split"
+    assert [a + b for a, b in zip(r0["sizes"], r1["sizes"])] == [128] * 240
+    before = r0["sizes"][70:80]
+    assert all(abs(b - 64) <= 8 for b in before), before  # equal speed: about equal split
+    after = r0["sizes"][80 + 75:]
+    assert min(after) >= 0.7 * 128, (r0["sizes"][80:], r0["history"])  # ideal 5:1 = 107 of 128
+    applied = [h for h in r0["history"] if h[3] and h[0] > 80]
+    assert applied and applied[0][0] <= 80 + 50, r0["history"]  # the first move within 2 rounds
+
+
+def test_every_step_rebalancing_works():
+    r0, r1 = _run("--steps", "60", "--slow-from", "10", "--every", "1")
+    assert r0["history"] == r1["history"]
+    assert len(r0["history"]) >= 50  # a round before (nearly) every step
+    assert sum(1 for h in r0["history"] if h[3]) >= 2
+    assert r0["sizes"][-1] > 80, r0["sizes"]

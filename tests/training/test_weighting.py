@@ -1,0 +1,72 @@
+"""Exact global-batch gradients (fp64, 1e-9 against one process on the union) in every case.
+
+Two ranks in two simulated vendor groups, backend kaitian. Each case runs
+``kaitian.DistributedDataParallel`` and torch's own DDP with
+``kaitian.scale_loss``; torch's DDP alone is the control that must be off.
+"""
+
+import json
+
+import pytest
+
+from support import worker
+from support.ranks import Layout, cleanup, run_ranks, tail
+
+CASES = ["unequal", "coupled", "eval_forward", "no_sync", "builtin_hook", "python_hook", "tokens", "join"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    run = run_ranks(Layout("1+1"), [worker("weighting_cases")], timeout=180)
+    try:
+        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        assert not run.leftover_shm
+        per_rank = []
+        for out in run.outs:
+            with open(out) as f:
+                per_rank.append({(r["case"], r["mode"]): r for r in map(json.loads, f)})
+        yield per_rank
+    finally:
+        cleanup(run)
+
+
+@pytest.mark.parametrize("mode", ["kaitian", "torch"])
+@pytest.mark.parametrize("case", [c for c in CASES if c != "join"])
+def test_exact_against_one_process(results, case, mode):
+    for rank in results:
+        r = rank[(case, mode)]
+        assert r["worst"] < 1e-9, r
+        assert r["steps"] >= 2
+
+
+@pytest.mark.parametrize("case", ["unequal", "coupled", "no_sync"])
+def test_torch_ddp_alone_is_off(results, case):
+    """The control: averaging unequal batches without weighting is measurably wrong."""
+    assert all(rank[(case, "plain")]["worst"] > 1e-3 for rank in results)
+
+
+def test_join(results):
+    """kaitian's DDP refuses join() clearly; torch's join with scale_loss(total=) stays exact."""
+    for rank in results:
+        assert rank[("join", "kaitian")]["refused"].startswith(
+            "kaitian.DistributedDataParallel does not support join()")
+        assert rank[("join", "torch")]["worst"] < 1e-9
+
+
+def test_ranks_at_different_steps_are_named_and_batchnorm_gets_two():
+    run = run_ranks(Layout("1+1"), [worker("weighting_cases"), "--cases", "hardening"], timeout=120)
+    try:
+        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        for out in run.outs:
+            with open(out) as f:
+                r = json.loads(f.read())
+            assert r["positional"].startswith("DistributedSampler(dataset, 64): the second argument is "
+                                              "num_replicas"), r["positional"]
+            assert r["min_batch"] == 2  # kaitian's DDP saw the BatchNorm
+            assert min(r["sizes"]) >= 2  # the short last step too (3+2 of 5, not 4+1)
+            for mode in ("torch", "kaitian"):
+                assert r[mode].startswith("ranks are at different steps (rank 0 at epoch 0 step 2, "
+                                          "rank 1 at epoch 1 step 0)"), r[mode]
+                assert "batch_sampler=sampler.batch_sampler()" in r[mode]
+    finally:
+        cleanup(run)
