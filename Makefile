@@ -4,12 +4,12 @@
 #
 #   make test TORCH=2.4.1                 # the same against another torch (own venv)
 #   make test PYTEST_ARGS="tests/unit -x"  # a part of the suite
-#   make test EXTRAS="test integrations"  # more extras in the venv
+#   make test EXTRAS=test                 # fewer extras in the venv
 PYTHON ?= python3
 DEFAULT_TORCH := 2.13.0
 TORCH ?= $(DEFAULT_TORCH)
 VENV ?= $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
-EXTRAS ?= test
+EXTRAS ?= test integrations
 PYTEST_ARGS ?= tests
 
 export PYTHON

@@ -4,9 +4,9 @@
 # (editable, its C++ extension built against that torch) with the extras named.
 # Needs neither root nor Docker. Safe to run again: what is already right is kept.
 #
-#   scripts/setup.sh                  # .venv with torch 2.13.0 and the [test] extra
+#   scripts/setup.sh                  # .venv with torch 2.13.0 and the [test,integrations] extras
 #   KAITIAN_TORCH=2.4.1 KAITIAN_VENV=.venv-torch2.4.1 scripts/setup.sh
-#   KAITIAN_EXTRAS="test integrations" scripts/setup.sh
+#   KAITIAN_EXTRAS=test scripts/setup.sh     # only the [test] extra
 #
 # Every pip call here runs under a constraint file pinning torch to the version
 # asked for, so no dependency (and no extra) can swap in another torch - on
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH=${KAITIAN_TORCH:-2.13.0}
 VENV=${KAITIAN_VENV:-.venv}
-EXTRAS=${KAITIAN_EXTRAS:-test}
+EXTRAS=${KAITIAN_EXTRAS:-test integrations}
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
