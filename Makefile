@@ -1,14 +1,37 @@
 # The README's two commands: `make demo` (the heterogeneous training job) and
-# `make test` (everything CI runs). Both set the machine up first.
+# `make test` (the test suite CI runs). Both first set up the project
+# virtualenv (scripts/setup.sh: no root, no Docker) and run everything from it.
+#
+#   make test TORCH=2.4.1                 # the same against another torch (own venv)
+#   make test PYTEST_ARGS="tests/unit -x"  # a part of the suite
+#   make test EXTRAS=test                 # fewer extras in the venv
 PYTHON ?= python3
+DEFAULT_TORCH := 2.13.0
+TORCH ?= $(DEFAULT_TORCH)
+VENV ?= $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
+EXTRAS ?= test integrations
+PYTEST_ARGS ?= tests
 
-.PHONY: setup demo test
+export PYTHON
+export KAITIAN_TORCH := $(TORCH)
+export KAITIAN_VENV := $(VENV)
+export KAITIAN_EXTRAS := $(EXTRAS)
+
+.PHONY: setup demo test docker-engine
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
-	bash examples/run_demo.sh
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" PYTHON="$(CURDIR)/$(VENV)/bin/python" bash examples/run_demo.sh
 
+# As root, make sure a Docker engine runs (the docker tests need one); as a
+# user, the docker tests say how to get one when none answers.
 test: setup
-	$(PYTHON) -m pytest tests
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/docker-engine.sh; fi
+	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests from '$(PYTEST_ARGS)' (exit 5)"; fi; \
+	exit $$rc
+
+docker-engine:
+	bash scripts/docker-engine.sh

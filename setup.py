@@ -1,25 +1,52 @@
 """Builds the C++ backend ``kaitian._C`` against the installed torch.
 
-Install with ``pip install --no-build-isolation -e .`` so the extension links
-the torch that is already in the environment.
+The extension must match the torch it runs with, so it is built against the
+torch already in the environment: install torch first, then
+``pip install --no-build-isolation -e .`` (``make setup`` does both in .venv).
+Supported: torch 2.4 to 2.15 (``cpp/compat.hpp`` holds the differences).
 """
 
 import glob
 import os
+import sys
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+OLDEST, NEWEST = (2, 4), (2, 15)  # kaitian._torch.SUPPORTED_TORCH
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    sys.exit(
+        "kaitian builds its C++ extension against the torch already installed, and none is "
+        "importable here: install torch (2.4 to 2.15) first, then "
+        "`pip install --no-build-isolation kaitian` (or run `make setup`)"
+    )
+
+_version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if _version < OLDEST:
+    sys.exit(f"kaitian needs torch >= {OLDEST[0]}.{OLDEST[1]}; this environment has torch {torch.__version__}")
+if _version > NEWEST:
+    print(f"kaitian: torch {torch.__version__} is newer than the newest release tested "
+          f"({NEWEST[0]}.{NEWEST[1]}); building anyway", file=sys.stderr)
+
+# The C++ standard torch's own extension builds use: C++20 from 2.13 (2.14's
+# headers refuse anything older), C++17 before.
+cxx_std = "c++20" if _version >= (2, 13) else "c++17"
 
 here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "cpp", "*.cpp")))
 
+# KAITIAN_NO_EXTENSION=1: metadata and entry points only (scripts/setup.sh builds
+# the extension itself with `setup.py build_ext --inplace`, incrementally).
 setup(
-    ext_modules=[
+    ext_modules=[] if os.environ.get("KAITIAN_NO_EXTENSION") == "1" else [
         CppExtension(
             name="kaitian._C",
             sources=sources,
             include_dirs=[os.path.join(here, "cpp")],
-            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+            extra_compile_args=["-O3", f"-std={cxx_std}", "-fvisibility=hidden"],
             extra_link_args=["-lrt"],
         )
     ],

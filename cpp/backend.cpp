@@ -252,8 +252,8 @@ void KaitianBackend::stopAll(bool abort) {
   // the vendors abort their own waits too (NCCL aborts its communicators).
   stop_.store(true);
   if (abort) {
-    if (intraDevice_) intraDevice_->abort();
-    if (intraCpu_) intraCpu_->abort();
+    if (intraDevice_) compat::abortBackend(*intraDevice_);
+    if (intraCpu_) compat::abortBackend(*intraCpu_);
   }
   for (auto* q : {collectives_.get(), sends_.get(), recvs_.get()}) {
     if (q) q->stop(abort ? "the process group was aborted" : "the process group was shut down");
@@ -261,7 +261,7 @@ void KaitianBackend::stopAll(bool abort) {
   if (bridge_) bridge_->close();
   for (auto* vendor : {&intraDevice_, &intraCpu_}) {
     if (!*vendor) continue;
-    if (!abort) (*vendor)->shutdown();
+    if (!abort) compat::shutdownBackend(**vendor);
     // A vendor whose op we gave up on still waits for the missing peer on its
     // own threads (gloo has no abort) and would join them at destruction, up
     // to its timeout: leave it to the process instead of blocking here.
@@ -759,9 +759,9 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
   auto outs = outputs, ins = inputs;
   std::vector<at::Tensor> all = ins;
   all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+  return enqueue(*collectives_, compat::kReduceScatterTensorCoalesced,
                  "reduce_scatter_tensor_coalesced",
-                 opId(OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs, -1, op), outputs, all,
+                 opId(compat::kReduceScatterTensorCoalesced, outs, -1, op), outputs, all,
                  opts.timeout,
                  [this, outs, ins, op](const Deadline& dl) mutable {
                    for (size_t i = 0; i < outs.size(); ++i) {
@@ -972,8 +972,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_into_tensor_coalesced(
   auto ins = inputs, outs = outputs;
   std::vector<at::Tensor> all = ins;
   all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, OpType::COALESCED, "allgather_into_tensor_coalesced",
-                 opId(OpType::COALESCED, ins), outputs,
+  return enqueue(*collectives_, compat::kAllgatherIntoTensorCoalesced, "allgather_into_tensor_coalesced",
+                 opId(compat::kAllgatherIntoTensorCoalesced, ins), outputs,
                  all, opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
                    const int W = getSize();
                    for (size_t i = 0; i < ins.size(); ++i) {

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "bridge.hpp"
+#include "compat.hpp"
 #include "work.hpp"
 
 namespace kaitian {
@@ -37,11 +38,11 @@ class KaitianBackend : public c10d::Backend {
   ~KaitianBackend() override;
 
   const std::string getBackendName() const override { return "kaitian"; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeoutMs_ = timeout.count(); }
+  void setTimeout(std::chrono::milliseconds timeout) KAITIAN_BACKEND_SET_TIMEOUT_OVERRIDE { timeoutMs_ = timeout.count(); }
   // Both stop the group for good: waiting ops fail, queued ones never run.
   // abort() first aborts the vendors (and never shuts them down gracefully).
-  void shutdown() override;
-  void abort() override;
+  void shutdown() KAITIAN_BACKEND_SHUTDOWN_OVERRIDE;
+  void abort() KAITIAN_BACKEND_SHUTDOWN_OVERRIDE;
   void setSequenceNumberForGroup() override { seq_ = 0; }
   uint64_t getSequenceNumberForGroup() override { return seq_; }
 

@@ -76,7 +76,11 @@ PYBIND11_MODULE(_C, m) {
       .def("group_names", [](const KaitianBackend& b) { return b.layout().groupNames; })
       .def("flat_intra", [](const KaitianBackend& b) { return b.layout().flatIntra; })
       .def("kaitian_shutdown", &KaitianBackend::shutdown,
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+#if !KAITIAN_BACKEND_HAS_SET_TIMEOUT  // torch < 2.9 binds no Backend.set_timeout
+      .def("set_timeout", &KaitianBackend::setTimeout, py::arg("timeout"))
+#endif
+      ;
   m.def("create_backend", &createBackend, py::arg("store"), py::arg("rank"), py::arg("size"),
         py::arg("timeout_ms"), py::arg("group_of"), py::arg("group_names"),
         py::arg("group_device"), py::arg("flat_intra"), py::arg("intra_device"),

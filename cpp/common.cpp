@@ -4,6 +4,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "compat.hpp"
 #include "host_reduce.hpp"
 
 namespace kaitian {
@@ -32,7 +33,12 @@ const char* opTypeName(int32_t type) {
     case OpType::_REDUCE_SCATTER_BASE: return "reduce_scatter_tensor";
     case OpType::COALESCED: return "all_gather_into_tensor_coalesced";
     case OpType::_ALLREDUCE_SPARSE: return "all_reduce(sparse)";
+#if KAITIAN_TORCH_AT_LEAST(2, 12)  // before, it is COALESCED (compat.hpp)
     case OpType::REDUCE_SCATTER_TENSOR_COALESCED: return "reduce_scatter_tensor_coalesced";
+#endif
+#if KAITIAN_TORCH_AT_LEAST(2, 14)
+    case OpType::ALLGATHER_INTO_TENSOR_COALESCED: return "all_gather_into_tensor_coalesced";
+#endif
     default: return "unknown op";
   }
 }

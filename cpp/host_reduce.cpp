@@ -2,6 +2,8 @@
 // compiler vectorises and writes both destinations in one pass (no extra copy).
 #include "host_reduce.hpp"
 
+#include "compat.hpp"
+
 #include <cstring>
 
 namespace kaitian {
@@ -52,7 +54,7 @@ void checkReduceSupported(const char* opName, Op::RedOpType op, at::ScalarType d
 
 void applyPremul(const c10d::ReduceOp& op, at::Tensor& t) {
   if (op.op_ != Op::PREMUL_SUM) return;
-  auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  auto* sup = dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK(sup != nullptr, "kaitian: PREMUL_SUM without a factor; create it with "
                               "torch.distributed._make_nccl_premul_sum(factor)");
   if (sup->tensor_factor.defined()) {

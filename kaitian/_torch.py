@@ -2,37 +2,86 @@
 
 kaitianrun is built on torchelastic without forking its files. The names below
 are not all part of torch's stable API, so they are imported here and nowhere
-else: a torch upgrade that moves one of them touches this file only.
+else: a torch upgrade that moves one of them touches this file only. kaitian
+supports torch 2.4 to 2.15 (``SUPPORTED_TORCH``); a name that only some of
+those releases have is feature-detected here, with the older releases'
+behaviour as the fallback.
 
-Import note: torch imports ``kaitian.launcher.rendezvous`` (through the
-``torchrun.handlers`` entry point) while ``torch.distributed.elastic.rendezvous``
-is still initialising; every name imported below already exists at that point.
+Every torchelastic name is resolved on first use (see ``_LATE``).
 """
 
 from __future__ import annotations
 
 import sys
 
-# --- torchrun's command line -------------------------------------------------
-from torch.distributed.argparse_util import check_env, env  # noqa: F401  (PET_* flag actions)
-from torch.multiprocessing import _set_thread_name as set_thread_name  # noqa: F401
+import torch.multiprocessing as _mp
 
-# torch.distributed.run and torch.distributed.launcher.api are resolved on first
-# use (module __getattr__ below): under plain torchrun this module is imported
-# by the torchrun.handlers entry point while those two are half-initialised.
+# The releases kaitian is built and tested with: [oldest, newest] as (major, minor).
+SUPPORTED_TORCH = ((2, 4), (2, 15))
+
+
+# --- torchrun's command line -------------------------------------------------
+def _no_thread_name(name: str) -> None:
+    """torch 2.4 has no ``_set_thread_name`` (2.5+); its torchrun names no thread either."""
+
+
+set_thread_name = getattr(_mp, "_set_thread_name", _no_thread_name)
+
+# Every torchelastic name is resolved on first use (module __getattr__ below):
+# `import kaitian` (every worker) stays free of the agent's modules, and under
+# plain torchrun this module is imported by the torchrun.handlers entry point
+# while torch.distributed.run, launcher.api and the rendezvous package are
+# half-initialised. Name -> (module, attribute; None = the module itself).
+_R = "torch.distributed.elastic.rendezvous"
+_AGENT = "torch.distributed.elastic.agent.server"
+_MP = "torch.distributed.elastic.multiprocessing"
 _LATE = {
+    # torchrun's command line
+    "check_env": ("torch.distributed.argparse_util", "check_env"),  # PET_* flag actions
+    "env": ("torch.distributed.argparse_util", "env"),
     "config_from_args": ("torch.distributed.run", "config_from_args"),
     "get_args_parser": ("torch.distributed.run", "get_args_parser"),
     "parse_min_max_nnodes": ("torch.distributed.run", "parse_min_max_nnodes"),
     "LaunchConfig": ("torch.distributed.launcher.api", "LaunchConfig"),
     "get_addr_and_port": ("torch.distributed.launcher.api", "_get_addr_and_port"),
     "get_entrypoint_name": ("torch.distributed.launcher.api", "_get_entrypoint_name"),
-    # Needed by kaitian.launcher.rendezvous at import time. When this module
-    # imports the agent below, torch initialises its rendezvous package, which
-    # loads our entry point while this module is still half-imported; the
-    # rendezvous ``api`` submodule is complete by then, so resolve from it.
-    "RendezvousHandler": ("torch.distributed.elastic.rendezvous.api", "RendezvousHandler"),
-    "rendezvous_handler_registry": ("torch.distributed.elastic.rendezvous.api", "rendezvous_handler_registry"),
+    # the agent
+    "events": ("torch.distributed.elastic.events", None),
+    "metrics": ("torch.distributed.elastic.metrics", None),
+    "timer": ("torch.distributed.elastic.timer", None),
+    "macros": ("torch.distributed.elastic.utils", "macros"),
+    "RunResult": (_AGENT + ".api", "RunResult"),
+    "SimpleElasticAgent": (_AGENT + ".api", "SimpleElasticAgent"),
+    "Worker": (_AGENT + ".api", "Worker"),
+    "WorkerGroup": (_AGENT + ".api", "WorkerGroup"),
+    "WorkerSpec": (_AGENT + ".api", "WorkerSpec"),
+    "WorkerState": (_AGENT + ".api", "WorkerState"),
+    "TORCHELASTIC_ENABLE_FILE_TIMER": (_AGENT + ".local_elastic_agent", "TORCHELASTIC_ENABLE_FILE_TIMER"),
+    "TORCHELASTIC_HEALTH_CHECK_PORT": (_AGENT + ".local_elastic_agent", "TORCHELASTIC_HEALTH_CHECK_PORT"),
+    "TORCHELASTIC_TIMER_FILE": (_AGENT + ".local_elastic_agent", "TORCHELASTIC_TIMER_FILE"),
+    "create_healthcheck_server": (_AGENT + ".health_check_server", "create_healthcheck_server"),
+    # processes, logs, errors
+    "DefaultLogsSpecs": (_MP, "DefaultLogsSpecs"),
+    "LogsSpecs": (_MP, "LogsSpecs"),
+    "PContext": (_MP, "PContext"),
+    "SignalException": (_MP, "SignalException"),
+    "Std": (_MP, "Std"),
+    "start_processes": (_MP, "start_processes"),
+    "RunProcsResult": (_MP + ".api", "RunProcsResult"),
+    "to_map": (_MP + ".api", "to_map"),
+    "ChildFailedError": (_MP + ".errors", "ChildFailedError"),
+    "ProcessFailure": (_MP + ".errors", "ProcessFailure"),
+    "record": (_MP + ".errors", "record"),
+    # rendezvous: from the ``api`` submodule, complete before the package
+    # __init__ loads the entry points (our rendezvous module among them)
+    "RendezvousGracefulExitError": (_R + ".api", "RendezvousGracefulExitError"),
+    "RendezvousHandler": (_R + ".api", "RendezvousHandler"),
+    "RendezvousInfo": (_R + ".api", "RendezvousInfo"),
+    "RendezvousParameters": (_R + ".api", "RendezvousParameters"),
+    "RendezvousStoreInfo": (_R + ".api", "RendezvousStoreInfo"),
+    "rendezvous_handler_registry": (_R + ".api", "rendezvous_handler_registry"),
+    "create_dynamic_handler": (_R + ".dynamic_rendezvous", "create_handler"),
+    "create_c10d_backend": (_R + ".c10d_rendezvous_backend", "create_backend"),
 }
 
 
@@ -43,62 +92,41 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     import importlib
 
-    value = getattr(importlib.import_module(module_name), attr)
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value
 
 
-# --- the agent ---------------------------------------------------------------
-from torch.distributed.elastic import events, metrics, timer  # noqa: F401
-from torch.distributed.elastic.agent.server.api import (  # noqa: F401
-    RunResult,
-    SimpleElasticAgent,
-    Worker,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-)
-from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: F401
-    TORCHELASTIC_ENABLE_FILE_TIMER,
-    TORCHELASTIC_HEALTH_CHECK_PORT,
-    TORCHELASTIC_TIMER_FILE,
-)
-from torch.distributed.elastic.agent.server.health_check_server import (  # noqa: F401
-    create_healthcheck_server,
-)
-from torch.distributed.elastic.utils import macros  # noqa: F401
+# --- what older torchelastic releases lack -----------------------------------
+# Fields and arguments added after 2.4: event_log_handler (2.8), numa_options
+# (2.9), signals_to_handle, duplicate_std{out,err}_filters, virtual_local_rank
+# (2.10), shutdown_timeout (2.12). On a release without one, it is unset.
 
-# --- processes, logs, errors -------------------------------------------------
-from torch.distributed.elastic.multiprocessing import (  # noqa: F401
-    DefaultLogsSpecs,
-    LogsSpecs,
-    PContext,
-    SignalException,
-    Std,
-    start_processes,
-)
-from torch.distributed.elastic.multiprocessing.api import RunProcsResult, to_map  # noqa: F401
-from torch.distributed.elastic.multiprocessing.errors import (  # noqa: F401
-    ChildFailedError,
-    ProcessFailure,
-    record,
-)
 
-# --- rendezvous --------------------------------------------------------------
-from torch.distributed.elastic.rendezvous.api import (  # noqa: F401
-    RendezvousGracefulExitError,
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousParameters,
-    RendezvousStoreInfo,
-    rendezvous_handler_registry,
-)
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: F401
-    create_handler as create_dynamic_handler,
-)
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (  # noqa: F401
-    create_backend as create_c10d_backend,
-)
+def launch_option(config, name: str, default=None):
+    """``config.<name>`` of a ``LaunchConfig``, or ``default`` where this torch has no such field."""
+    return getattr(config, name, default)
+
+
+def call_supported(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` without the keyword arguments this torch's ``fn`` does not take.
+
+    A dropped argument must be unset (None): a value this torch cannot honour is
+    a one-line error naming the torch release, never silently ignored.
+    """
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for name in [n for n in kwargs if n not in params]:
+            if kwargs.pop(name) is not None:
+                import torch
+
+                from kaitian.errors import UsageError
+
+                raise UsageError(f"{name} needs a newer torch than {torch.__version__} (its torchelastic has no such option)")
+    return fn(*args, **kwargs)
 
 
 def _method_name(depth: int = 2) -> str:
@@ -126,13 +154,15 @@ def speed_up_rendezvous_events() -> None:
 def rendezvous_backend_names() -> list:
     """Names registered with torchelastic's rendezvous registry (entry points included).
 
-    Importing ``rendezvous.api`` above ran the package's ``__init__``, which
-    registered torch's backends and the ``torchrun.handlers`` plug-ins.
+    Importing the rendezvous package runs its ``__init__``, which registers
+    torch's backends and the ``torchrun.handlers`` plug-ins.
     """
-    return sorted(rendezvous_handler_registry._registry)  # noqa: SLF001
+    import torch.distributed.elastic.rendezvous  # noqa: F401
+
+    return sorted(__getattr__("rendezvous_handler_registry")._registry)  # noqa: SLF001
 
 
-def get_rendezvous_handler(params: "RendezvousParameters") -> "RendezvousHandler":
+def get_rendezvous_handler(params):
     """torchelastic's registry lookup (imported late: the registry module imports plug-ins)."""
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler as _get
 
@@ -181,6 +211,8 @@ __all__ = [
     "env",
     "backend_options",
     "backend_plugins",
+    "call_supported",
+    "launch_option",
     "nccl_options",
     "queue_autograd_callback",
     "DefaultLogsSpecs",
@@ -194,6 +226,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RunProcsResult",
     "RunResult",
+    "SUPPORTED_TORCH",
     "SignalException",
     "SimpleElasticAgent",
     "Std",
@@ -220,3 +253,10 @@ __all__ = [
     "timer",
     "to_map",
 ]
+
+# Last, with _LATE and __getattr__ in place: torch's rendezvous package loads
+# the torchrun.handlers entry points (kaitian.launcher.rendezvous among them)
+# when it is first imported. That must happen here, before any kaitian module
+# that resolves a rendezvous name starts importing, or the entry point would
+# find that module half-imported.
+import torch.distributed.elastic.rendezvous  # noqa: E402,F401

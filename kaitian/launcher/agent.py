@@ -76,7 +76,8 @@ class KaitianAgent(_te.SimpleElasticAgent):
     ) -> None:
         if spec.local_world_size != len(plans):
             raise ValueError(f"local_world_size {spec.local_world_size} != {len(plans)} planned workers")
-        super().__init__(spec, exit_barrier_timeout, shutdown_timeout)
+        super().__init__(spec, exit_barrier_timeout)
+        self._shutdown_timeout = shutdown_timeout  # torch < 2.12's agent takes none
         self._logs_specs = logs_specs
         self._runtime = runtime
         self._plans = plans
@@ -206,7 +207,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", str(1)),
         }
         local_rank = worker.local_rank
-        if spec.virtual_local_rank:
+        if getattr(spec, "virtual_local_rank", False):  # torch 2.10+
             env["LOCAL_RANK"] = "0"
             parent = os.getenv("CUDA_VISIBLE_DEVICES")
             if parent is not None:
@@ -341,7 +342,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
                 logger.warning("monitor.watch failed", exc_info=True)
         return pids
 
-    def _stop_workers(self, worker_group: "_te.WorkerGroup") -> None:
+    def _stop_workers(self, worker_group: "_te.WorkerGroup", is_restart: bool = False) -> None:  # torch < 2.9 passes is_restart
         self._shutdown(timeout=self._shutdown_timeout)
 
     def _monitor_workers(self, worker_group: "_te.WorkerGroup") -> "_te.RunResult":

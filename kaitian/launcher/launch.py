@@ -97,13 +97,16 @@ def launch_agent(
         **config.rdzv_configs,
     )
     master_addr, master_port = _te.get_addr_and_port(rdzv_parameters)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    signals = _te.launch_option(config, "signals_to_handle")
+    if signals is not None:  # torch 2.10+, whose torchrun sets it too
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals
 
     rdzv_handler = _te.get_rendezvous_handler(rdzv_parameters)
     if not isinstance(rdzv_handler, KaitianRendezvousHandler):
         rdzv_handler = KaitianRendezvousHandler(rdzv_handler, name=rdzv_handler.get_backend())
     rdzv_handler.order_nodes = False  # the agent places every worker (kaitian.launcher.rendezvous)
-    spec = _te.WorkerSpec(
+    spec = _te.call_supported(
+        _te.WorkerSpec,
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
@@ -114,11 +117,11 @@ def launch_agent(
         master_addr=master_addr,
         master_port=master_port,
         local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
+        event_log_handler=_te.launch_option(config, "event_log_handler"),
+        numa_options=_te.launch_option(config, "numa_options"),
+        duplicate_stdout_filters=_te.launch_option(config, "duplicate_stdout_filters"),
+        duplicate_stderr_filters=_te.launch_option(config, "duplicate_stderr_filters"),
+        virtual_local_rank=_te.launch_option(config, "virtual_local_rank"),
     )
 
     runtime = kaitian.runtime
@@ -137,7 +140,7 @@ def launch_agent(
             run_dir=kaitian.run_dir,
             start_method=config.start_method,
             log_line_prefix_template=config.log_line_prefix_template,
-            shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+            shutdown_timeout=_te.launch_option(config, "shutdown_timeout", 30),  # type: ignore[arg-type]
             capabilities=kaitian.capabilities,
             monitor_dir=kaitian.monitor_dir,
             monitor=monitor,
@@ -147,14 +150,14 @@ def launch_agent(
         _te.metrics.initialize_metrics(_te.metrics.MetricsConfig(config.metrics_cfg))
         try:
             result = agent.run()
-            _te.events.record(agent.get_event_succeeded(), config.event_log_handler)
+            _te.events.record(agent.get_event_succeeded(), _te.launch_option(config, "event_log_handler", "null"))
         except _te.SignalException:
             # As torch: a signalled agent leaves the rendezvous open for the others.
             shutdown_rdzv = False
-            _te.events.record(agent.get_event_failed(), config.event_log_handler)
+            _te.events.record(agent.get_event_failed(), _te.launch_option(config, "event_log_handler", "null"))
             raise
         except Exception:
-            _te.events.record(agent.get_event_failed(), config.event_log_handler)
+            _te.events.record(agent.get_event_failed(), _te.launch_option(config, "event_log_handler", "null"))
             raise
         if result is None:  # rendezvous closed gracefully
             return {}

@@ -466,10 +466,15 @@ def _alltoall_case(dtype: str, variant: str):
             if variant == "list":
                 carry = (lambda c: c.to(torch.int32)) if dtype == "int16" else (lambda c: c.clone())
                 ref = [carry(torch.empty_like(o)) for o in out]
-                dist.all_to_all(ref, [carry(t) for t in send], group=ctx.ref)
+                try:
+                    dist.all_to_all(ref, [carry(t) for t in send], group=ctx.ref)
+                except RuntimeError as exc:  # gloo before torch 2.12 has no list alltoall: known data only
+                    if "does not support alltoall" not in str(exc):
+                        raise
+                    ref = None
             for s in range(w):
                 exp = ctx.make(dtype, (size(s, ctx.rank),), rank=s, salt=f"to{ctx.rank}")
-                if variant == "list":
+                if variant == "list" and ref is not None:
                     _check(ctx, f"gloo reference block from rank {s} (sanity)", ref[s].to(out[s].dtype), exp, dtype,
                            exact=True)
                 ctx.corrupt(out[s])

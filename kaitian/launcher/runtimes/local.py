@@ -60,7 +60,8 @@ class LocalRuntime(Runtime):
         workers: Dict[int, WorkerLaunch],
     ) -> "_te.PContext":
         opts = self.ctx.options
-        pcontext = _te.start_processes(
+        pcontext = _te.call_supported(
+            _te.start_processes,
             name=name,
             entrypoint=entrypoint,
             args=args,

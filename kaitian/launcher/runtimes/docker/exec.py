@@ -19,7 +19,7 @@ import threading
 import time
 from typing import IO, Callable, Dict, Iterable, List, Optional, Tuple
 
-from kaitian._torch import LogsSpecs, PContext, ProcessFailure, RunProcsResult
+from kaitian._torch import LogsSpecs, PContext, ProcessFailure, RunProcsResult, call_supported
 from kaitian.launcher.runtimes.docker.plan import ExecPlan, exit_code_from_docker
 from kaitian.launcher.runtimes.docker.shell import stop_command
 
@@ -227,9 +227,9 @@ class DockerExecContext(PContext):
         duplicate_stdout_filters: Optional[List[str]] = None,
         duplicate_stderr_filters: Optional[List[str]] = None,
     ) -> None:
-        super().__init__(
-            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
-            duplicate_stdout_filters, duplicate_stderr_filters,
+        call_supported(
+            super().__init__, name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters=duplicate_stdout_filters, duplicate_stderr_filters=duplicate_stderr_filters,
         )
         self._prepare = prepare
         self._client = client
