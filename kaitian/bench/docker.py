@@ -87,7 +87,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     Python/torch start-up, which dominates (and blurs) the whole-job numbers."""
     from kaitian._torch import DefaultLogsSpecs, start_processes
     from kaitian.devices.device import WorkerDevice
-    from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
+    from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch, WorkerStart
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
     from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
 
@@ -111,9 +111,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
                 logs = DefaultLogsSpecs(log_dir=os.path.join(run_dir, f"logs-{kind}-{i}"))
                 began = time.time()
                 if kind == "docker":
-                    pc = runtime.start(name="bench", entrypoint=sys.executable, args=argv, envs=envs,
-                                       logs_specs=logs, log_line_prefixes=None, start_method="spawn",
-                                       workers=workers)
+                    pc = runtime.start(WorkerStart("bench", sys.executable, argv, envs, logs, workers))
                 else:
                     pc = start_processes(name="bench", entrypoint=sys.executable, args=argv,
                                          envs={r: {**os.environ, **e} for r, e in envs.items()}, logs_specs=logs)

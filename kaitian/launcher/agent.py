@@ -27,7 +27,7 @@ from kaitian.launcher.logs import line_prefixes
 from kaitian.launcher.plan import WorkerPlan
 from kaitian.launcher.rendezvous import NodePlan, agree_on_placement, local_inventory
 from kaitian.launcher.rundir import RunDir
-from kaitian.launcher.runtimes.base import Runtime, WorkerLaunch
+from kaitian.launcher.runtimes.base import Runtime, WorkerLaunch, WorkerStart
 from kaitian.settings import settings
 
 __all__ = ["KaitianAgent"]
@@ -320,16 +320,16 @@ class KaitianAgent(_te.SimpleElasticAgent):
         self._setup_healthcheck()
         if spec.entrypoint is None:
             raise AssertionError("worker spec has no entrypoint")
-        self._pcontext = self._runtime.start(
+        self._pcontext = self._runtime.start(WorkerStart(
             name=spec.role,
             entrypoint=spec.entrypoint,
             args=args,
             envs=envs,
             logs_specs=self._logs_specs,
+            workers=launches,
             log_line_prefixes=line_prefixes(self._log_line_prefix_template, prefix_fields),
             start_method=self._start_method,
-            workers=launches,
-        )
+        ))
         pids = self._pcontext.pids()
         self._run_dir.record_workers(pids)
         if self._monitor is not None:

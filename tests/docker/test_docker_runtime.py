@@ -21,7 +21,7 @@ from support import REPO, TESTS, worker
 from support.docker import TEST_IMAGE, WORKER_UID, engine, inspect, kaitian_containers, own, test_image
 from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotFoundError
 from kaitian.devices.device import WorkerDevice
-from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
+from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch, WorkerStart
 from kaitian.launcher.runtimes.docker.client import connect
 from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
 from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
@@ -75,12 +75,11 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
             **(extra_env or {}),
         }
     logs = DefaultLogsSpecs(log_dir=str(log_dir or tmp_path / "logs"), redirects=redirects, tee=tee)
-    pc = rt.start(
+    pc = rt.start(WorkerStart(
         name="trainer", entrypoint=sys.executable,
-        args={r: ("-u", WORKER) for r in workers}, envs=envs, logs_specs=logs,
+        args={r: ("-u", WORKER) for r in workers}, envs=envs, logs_specs=logs, workers=workers,
         log_line_prefixes={r: f"[{w.device.group}]:{r}: " for r, w in workers.items()},
-        start_method="spawn", workers=workers,
-    )
+    ))
     return pc, out
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib
 
-from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch, WorkerStart
 from kaitian.launcher.runtimes.options import LocalOptions, RuntimeOptions, options_from_args
 
 __all__ = [
-    "RUNTIMES", "get_runtime", "runtime_class", "Runtime", "RunContext", "WorkerLaunch",
+    "RUNTIMES", "get_runtime", "runtime_class", "Runtime", "RunContext", "WorkerLaunch", "WorkerStart",
     "RuntimeOptions", "LocalOptions", "options_from_args",
 ]
 

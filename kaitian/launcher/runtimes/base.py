@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from kaitian._torch import LogsSpecs, PContext
 from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.runtimes.options import RuntimeOptions
 
-__all__ = ["WorkerLaunch", "RunContext", "Runtime"]
+__all__ = ["WorkerLaunch", "WorkerStart", "RunContext", "Runtime"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,31 @@ class WorkerLaunch:
     device: WorkerDevice
     cpus: Tuple[int, ...] = ()
     cpu_quota: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """One (re)start of a node's worker group: what the agent asks a runtime to run.
+
+    Attributes:
+        name: the worker group's name (torchelastic role).
+        entrypoint: the binary (the host's python, usually) or a function.
+        args: worker arguments by local rank.
+        envs: worker environments by local rank.
+        logs_specs: where stdout / stderr / error files go.
+        workers: what each local rank runs on, by local rank.
+        log_line_prefixes: console prefixes by local rank.
+        start_method: torch's multiprocessing start method (functions only).
+    """
+
+    name: str
+    entrypoint: Union[str, Callable]
+    args: Dict[int, Tuple]
+    envs: Dict[int, Dict[str, str]]
+    logs_specs: LogsSpecs
+    workers: Dict[int, WorkerLaunch]
+    log_line_prefixes: Optional[Dict[int, str]] = None
+    start_method: str = "spawn"
 
 
 @dataclass(frozen=True)
@@ -68,19 +93,8 @@ class Runtime(abc.ABC):
         self.ctx = ctx
 
     @abc.abstractmethod
-    def start(
-        self,
-        *,
-        name: str,
-        entrypoint: str,
-        args: Dict[int, Tuple],
-        envs: Dict[int, Dict[str, str]],
-        logs_specs: LogsSpecs,
-        log_line_prefixes: Optional[Dict[int, str]],
-        start_method: str,
-        workers: Dict[int, WorkerLaunch],
-    ) -> PContext:
-        """Starts one worker per local rank and returns their ``PContext``.
+    def start(self, job: WorkerStart) -> PContext:
+        """Starts one worker per local rank of ``job`` and returns their ``PContext``.
 
         Called once per (re)start of the worker group; keyed by local rank.
         """

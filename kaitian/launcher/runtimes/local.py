@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from kaitian import _torch as _te
-from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch, WorkerStart
 from kaitian.launcher.runtimes.cpu_limits import (
     CgroupQuota,
     DutyCycle,
@@ -47,36 +47,25 @@ class LocalRuntime(Runtime):
             self._mode = quota_mode(settings().cpu_quota_mode)
         return self._mode
 
-    def start(
-        self,
-        *,
-        name: str,
-        entrypoint: str,
-        args: Dict[int, Tuple],
-        envs: Dict[int, Dict[str, str]],
-        logs_specs: "_te.LogsSpecs",
-        log_line_prefixes: Optional[Dict[int, str]],
-        start_method: str,
-        workers: Dict[int, WorkerLaunch],
-    ) -> "_te.PContext":
+    def start(self, job: WorkerStart) -> "_te.PContext":
         opts = self.ctx.options
         pcontext = _te.call_supported(
             _te.start_processes,
-            name=name,
-            entrypoint=entrypoint,
-            args=args,
-            envs=envs,
-            logs_specs=logs_specs,
-            log_line_prefixes=log_line_prefixes,
-            start_method=start_method,
+            name=job.name,
+            entrypoint=job.entrypoint,
+            args=job.args,
+            envs=job.envs,
+            logs_specs=job.logs_specs,
+            log_line_prefixes=job.log_line_prefixes,
+            start_method=job.start_method,
             numa_options=opts.local.numa_options,
             duplicate_stdout_filters=opts.duplicate_stdout_filters,
             duplicate_stderr_filters=opts.duplicate_stderr_filters,
         )
         pids = pcontext.pids()
-        for local_rank, launch in workers.items():
+        for local_rank, launch in job.workers.items():
             pin(pids[local_rank], launch.cpus)
-        self._apply_quotas(pids, workers)
+        self._apply_quotas(pids, job.workers)
         if self._duty is not None:
             self._resume_before_close(pcontext, list(pids.values()))
         return pcontext

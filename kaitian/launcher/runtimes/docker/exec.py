@@ -17,11 +17,14 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import IO, TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple
 
-from kaitian._torch import LogsSpecs, PContext, ProcessFailure, RunProcsResult, call_supported
+from kaitian._torch import PContext, ProcessFailure, RunProcsResult, call_supported
 from kaitian.launcher.runtimes.docker.plan import ExecPlan, exit_code_from_docker
 from kaitian.launcher.runtimes.docker.shell import stop_command
+
+if TYPE_CHECKING:
+    from kaitian.launcher.runtimes.base import WorkerStart
 
 __all__ = ["DockerExecContext"]
 
@@ -201,12 +204,7 @@ class DockerExecContext(PContext):
     decided the log and error-file paths that must be visible inside.
 
     Args:
-        name: the worker group's name.
-        entrypoint: the binary the agent runs (the host's python, usually).
-        args: worker arguments by local rank.
-        envs: worker environments by local rank.
-        logs_specs: where stdout / stderr / error files go.
-        log_line_prefixes: console prefixes by local rank.
+        job: what to run (its entrypoint a binary: the host's python, usually).
         prepare: called once at start with this context; returns each local
             rank's exec plan and container id.
         client: the docker SDK client.
@@ -216,24 +214,20 @@ class DockerExecContext(PContext):
 
     def __init__(
         self,
-        name: str,
-        entrypoint: str,
-        args: Dict[int, Tuple],
-        envs: Dict[int, Dict[str, str]],
-        logs_specs: LogsSpecs,
-        log_line_prefixes: Optional[Dict[int, str]],
+        job: "WorkerStart",
         prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecPlan, str]]],
         client: object,
         duplicate_stdout_filters: Optional[List[str]] = None,
         duplicate_stderr_filters: Optional[List[str]] = None,
     ) -> None:
         call_supported(
-            super().__init__, name, entrypoint, args, envs, logs_specs, log_line_prefixes,
-            duplicate_stdout_filters=duplicate_stdout_filters, duplicate_stderr_filters=duplicate_stderr_filters,
+            super().__init__, job.name, job.entrypoint, job.args, job.envs, job.logs_specs,
+            job.log_line_prefixes, duplicate_stdout_filters=duplicate_stdout_filters,
+            duplicate_stderr_filters=duplicate_stderr_filters,
         )
         self._prepare = prepare
         self._client = client
-        self._prefixes = log_line_prefixes or {}
+        self._prefixes = job.log_line_prefixes or {}
         self._execs: Dict[int, _Exec] = {}
         self._failures: Dict[int, ProcessFailure] = {}
         self._running: set = set(range(self.nprocs))

@@ -23,11 +23,12 @@ import logging
 import os
 import socket
 import sys
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
 from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
-from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch, WorkerStart
 from kaitian.launcher.rundir import record_pid_namespace
 from kaitian.launcher.runtimes.docker.client import (
     connect, find_one, is_not_found, list_containers, pid_namespace_of, remove_container,
@@ -137,26 +138,17 @@ class DockerRuntime(Runtime):
 
     # --- the contract --------------------------------------------------------
 
-    def start(
-        self,
-        *,
-        name: str,
-        entrypoint: str,
-        args: Dict[int, Tuple],
-        envs: Dict[int, Dict[str, str]],
-        logs_specs: LogsSpecs,
-        log_line_prefixes: Optional[Dict[int, str]],
-        start_method: str,
-        workers: Dict[int, WorkerLaunch],
-    ) -> PContext:
+    def start(self, job: WorkerStart) -> PContext:
         """Creates or reuses the containers, then starts one ``docker exec`` per rank.
 
         Raises:
             DockerRuntimeError: (subclasses) the daemon, an image or an option
                 is not usable; the message says what to do.
         """
+        entrypoint, args = job.entrypoint, job.args
         if not isinstance(entrypoint, str):
             entrypoint, args = _as_binary(entrypoint, args)
+        workers, logs_specs = job.workers, job.logs_specs
         client = self.client
         # Check images before anything is started, so a missing one fails alone.
         for w in workers.values():
@@ -166,12 +158,7 @@ class DockerRuntime(Runtime):
             return self._prepare(pc, entrypoint, workers, logs_specs)
 
         pc = DockerExecContext(
-            name=name,
-            entrypoint=entrypoint,
-            args=args,
-            envs=envs,
-            logs_specs=logs_specs,
-            log_line_prefixes=log_line_prefixes,
+            replace(job, entrypoint=entrypoint, args=args),
             prepare=prepare,
             client=client,
             duplicate_stdout_filters=self.ctx.options.duplicate_stdout_filters,
