@@ -182,8 +182,10 @@ def test_max_restarts_across_hosts(tmp_path):
     assert sorted(finals) == [0, 1]
     for info in finals.values():
         assert info["start_step"] == 3  # both hosts' new workers resumed from the checkpoint
-        # As torchrun: the failing host spent a restart; the other restarted for the new round.
-        assert info["TORCHELASTIC_RESTART_COUNT"] == ("1" if info["GROUP_RANK"] == "1" else "0")
+        # As torchrun: the failing host spent a restart. The other one restarted either for
+        # the new round (0) or because its own workers failed first on the dead peer (1): a race.
+        allowed = {"1"} if info["GROUP_RANK"] == "1" else {"0", "1"}
+        assert info["TORCHELASTIC_RESTART_COUNT"] in allowed, info
     _assert_weights(finals)
 
 
