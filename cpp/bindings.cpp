@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include "backend.hpp"
+#include "tcp_mesh.hpp"
 #include "sha256.hpp"
 #include "shm_bridge.hpp"
 #include "tcp_bridge.hpp"
@@ -89,6 +90,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("vendor_gaps") = std::vector<std::vector<std::string>>{},
         py::arg("tcp_key") = py::bytes(), py::arg("tcp_session") = "",
         py::arg("tcp_ports") = std::make_pair(0, 0));
+  // The inter-host bridge's wire version; nodes compare it before any worker starts.
+  m.attr("BRIDGE_PROTOCOL") = kTcpProtocolVersion;
   // For tests: the HMAC the TCP handshake uses.
   m.def("_hmac_sha256", [](const py::bytes& key, const py::bytes& msg) {
     const Digest d = hmacSha256(std::string(key), std::string(msg));

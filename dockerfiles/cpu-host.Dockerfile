@@ -1,9 +1,12 @@
 # A CPU image that runs the HOST's Python environment, for machines that cannot
 # reach a registry (CI, air-gapped hosts). It holds only a skeleton root file
-# system; /usr, the host's Python prefix and the kaitian checkout are bind-mounted
-# at run time at their host paths (the org.kaitian.host-mounts label lists them, comma-separated HOST:CONTAINER[:ro]).
+# system; /usr, the host's Python prefixes (a virtualenv's or conda env's too)
+# and the kaitian checkout are bind-mounted read-only at run time at their host
+# paths (the org.kaitian.host-mounts label lists them, comma-separated
+# HOST:CONTAINER[:ro]).
 # Built by `kaitian images build cpu-host`, which assembles the rootfs/ context;
-# it only works on the host that built it.
+# it only works on the host that built it. Nothing is pulled (FROM scratch, no
+# digest to pin), and it is a single stage: there is nothing to build.
 FROM scratch
 COPY rootfs/ /
 ARG HOST_MOUNTS=
@@ -11,4 +14,6 @@ ARG PYTHON=python3
 ARG PATH_DIRS=/usr/local/bin:/usr/bin:/bin
 ENV PATH=${PATH_DIRS}
 LABEL org.kaitian.host-mounts=${HOST_MOUNTS} org.kaitian.python=${PYTHON} org.kaitian.vendor=cpu
+# Not root unless kaitianrun is asked (--container-user root).
+USER 65534:65534
 CMD ["sleep", "infinity"]

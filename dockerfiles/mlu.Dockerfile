@@ -4,19 +4,34 @@
 #   kaitian images build mlu --base yellow.hub.cambricon.com/pytorch/pytorch:v24.10-torch2.4.0-ubuntu22.04-py310
 # kaitianrun gives the container /dev/cambricon_ctl and the selected
 # /dev/cambricon_dev*, /dev/cambricon_ipcm* nodes.
+#
+# Base image pin: release builds pin it by digest (with its '@'):
+#   docker buildx imagetools inspect <BASE>
+#   docker build --build-arg BASE_DIGEST=@sha256:<digest> -f dockerfiles/mlu.Dockerfile .
+# No digest is recorded here: it must be read from the registry, which the
+# machine that wrote this file could not reach (see docs/docker.md).
 ARG BASE=yellow.hub.cambricon.com/pytorch/pytorch:v24.10-torch2.4.0-ubuntu22.04-py310
-FROM ${BASE}
+ARG BASE_DIGEST=
 
+# --- build: compile kaitian._C against the image's own torch ---
+FROM ${BASE}${BASE_DIGEST} AS build
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ util-linux procps \
+ && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir "setuptools>=64" wheel ninja
+COPY . /src
+RUN pip wheel --no-cache-dir --no-build-isolation --no-deps -w /wheels /src
 
-COPY . /opt/kaitian-src
-RUN pip install --no-cache-dir --no-build-isolation --no-deps /opt/kaitian-src \
+# --- runtime: the same image without the build tools, plus a non-root user ---
+FROM ${BASE}${BASE_DIGEST}
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends util-linux procps \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels \
  && pip install --no-cache-dir psutil numpy tomli-w "docker>=7" \
- && rm -rf /opt/kaitian-src \
  && python -c "import torch_mlu, kaitian, kaitian._C"
-
+RUN useradd --uid 1000 --create-home --shell /bin/sh kaitian
+USER kaitian
 LABEL org.kaitian.python=python org.kaitian.vendor=mlu
 CMD ["sleep", "infinity"]

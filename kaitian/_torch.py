@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 import torch.multiprocessing as _mp
+from torch.distributed.argparse_util import check_env, env  # noqa: F401,E402  (PET_* flag actions)
 
 # The releases kaitian is built and tested with: [oldest, newest] as (major, minor).
 SUPPORTED_TORCH = ((2, 4), (2, 15))
@@ -205,6 +206,8 @@ def queue_autograd_callback(callback) -> None:
 # The names in _LATE are attributes too (resolved on first use).
 __all__ = [
     "ChildFailedError",
+    "check_env",
+    "env",
     "backend_options",
     "backend_plugins",
     "call_supported",

@@ -24,6 +24,8 @@ __all__ = [
     "CapabilityConfigError",
     "BackendSetupError",
     "LayoutError",
+    "RendezvousError",
+    "VersionMismatchError",
     "QuotaUnavailableError",
     "RunDirError",
     "DockerRuntimeError",
@@ -97,6 +99,17 @@ class BackendSetupError(KaitianError, RuntimeError):
 
 class LayoutError(KaitianError, RuntimeError):
     """Ranks disagree on the group layout, or a rank's group cannot be determined."""
+
+
+# --- the launcher across nodes ---------------------------------------------------
+
+
+class RendezvousError(KaitianError, RuntimeError):
+    """The nodes of a rendezvous round cannot form one job (the message says why)."""
+
+
+class VersionMismatchError(RendezvousError):
+    """Nodes (or an agent and its workers) run different kaitian or bridge protocol versions."""
 
 
 # --- docker ----------------------------------------------------------------------

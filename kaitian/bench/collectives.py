@@ -151,10 +151,9 @@ def _memory_worker(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=300)
-    dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank, world_size=args.nproc,
-                            timeout=timeout)
+    dist.init_process_group(args.backend, timeout=timeout)  # torchrun's environment (see _launch)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
-    n, rank = args.nproc, args.rank
+    n, rank = dist.get_world_size(), dist.get_rank()
     t = torch.ones(16 << 20)  # 64 MiB
     dist.all_reduce(t)
     ring = torch.ones(1 << 18)  # 1 MiB to the next rank
@@ -189,10 +188,9 @@ def _worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)
     timeout = timedelta(seconds=120)
-    dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank, world_size=args.nproc,
-                            timeout=timeout)
+    dist.init_process_group(args.backend, timeout=timeout)  # torchrun's environment (see _launch)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
-    n = args.nproc
+    n, rank = dist.get_world_size(), dist.get_rank()
     results: List[dict] = []
 
     def slowest(seconds: float) -> float:
@@ -232,11 +230,11 @@ def _worker(args: argparse.Namespace) -> int:
             for name, sec in timed_pair(fns, iters).items():
                 row[name] = {"seconds": sec, "busbw": bus_bandwidth(op, size, sec, n)}
             results.append(row)
-            if args.rank == 0:
+            if rank == 0:
                 _print_row(row)
 
     ddp = _ddp_steps(args, gloo) if args.ddp_steps > 0 else None
-    if args.rank == 0:
+    if rank == 0:
         _print_ddp_and_targets(results, ddp)
         if args.json:
             with open(args.json, "w") as fh:
@@ -397,9 +395,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(comma list, e.g. 2,4,8,16)")
     ap.add_argument("--shm-baseline", type=int, default=0, help=argparse.SUPPRESS)
     # internal: one rank
-    ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--init-method", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -449,7 +445,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = _parser()
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     _validate(ap, args)
-    if args._worker:
+    if args.worker:
         return _worker(args)
 
     base_argv = [a for a in (sys.argv[1:] if argv is None else list(argv))]
@@ -483,14 +479,16 @@ def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List
     try:
         for rank in range(nproc):
             env = dict(os.environ)
+            # what kaitianrun --cpu-groups would give the rank (bench convention: torchrun's environment)
             env.update({"KAITIAN_GROUP": groups_desc[rank], "KAITIAN_DEVICE_TYPE": "cpu",
-                        "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": workdir, "OMP_NUM_THREADS": "1"})
+                        "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": workdir, "OMP_NUM_THREADS": "1",
+                        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
             if args.bridge:
                 env["KAITIAN_BRIDGE"] = args.bridge
             if args.intra:
                 env["KAITIAN_INTRA"] = args.intra
-            cmd = [sys.executable, "-m", "kaitian.bench.collectives", *worker_argv, "--_worker", "--rank", str(rank),
-                   "--init-method", f"tcp://127.0.0.1:{port}"]
+            cmd = [sys.executable, "-m", "kaitian.bench.collectives", *worker_argv, "--worker"]
             procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL,
                                           start_new_session=True))
         deadline = time.monotonic() + args.timeout

@@ -31,49 +31,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["main", "run_bench"]
 
-_WORKER = textwrap.dedent(
-    """
-    import json, os, sys, time
-    import torch
-    import torch.distributed as dist
-    backend = sys.argv[1]
-    if backend == "kaitian":
-        import kaitian  # noqa: F401
-    out, size_mb, iters = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    first = time.time()
-    x = torch.ones(size_mb * (1 << 20) // 4)
-    for _ in range(3):
-        dist.all_reduce(x)
-    # Best of three windows: the host is shared, and a window that another
-    # process preempted says nothing about the transport.
-    took = float("inf")
-    for _ in range(3):
-        dist.barrier()
-        began = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        took = min(took, (time.perf_counter() - began) / iters)
-    # The slowest rank's time is the collective's time.
-    slow = torch.tensor([took, first], dtype=torch.float64)
-    dist.all_reduce(slow, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        nbytes = x.numel() * 4
-        busbw = 2 * (world - 1) / world * nbytes / slow[0].item()
-        with open(out, "w") as f:
-            json.dump({"first": slow[1].item(), "time": slow[0].item(), "busbw": busbw}, f)
-    dist.destroy_process_group()
-    """
-)
+
+
+_USER = f"{os.getuid()}:{os.getgid()}"
 
 
 def _kaitianrun() -> List[str]:
@@ -93,7 +58,10 @@ def _one(runtime: str, args: argparse.Namespace, workdir: str, keep: bool) -> Di
             cmd += ["--image", image]
         if keep:
             cmd.append("--keep-containers")
-    cmd += [os.path.join(workdir, "bench_worker.py"), args.backend, out, str(args.size_mb), str(args.iters)]
+        # The workers' user is the local runtime's (this process's): a like-for-like comparison.
+        cmd += ["--container-user", _USER]
+    # the worker is this module (bench convention)
+    cmd += ["-m", "kaitian.bench.docker", "--worker", args.backend, out, str(args.size_mb), str(args.iters)]
     env = dict(os.environ)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
@@ -121,12 +89,12 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     from kaitian.devices.device import WorkerDevice
     from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+    from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
 
-    images = dict(item.split("=", 1) for item in args.image)
     run_dir = os.path.join(workdir, "latency-run")
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     ctx = RunContext(run_id="bench-latency", run_dir=run_dir, log_dir=None, cwd=workdir,
-                     options={"images": images})
+                     options=RuntimeOptions(docker=DockerOptions.from_flags(images=args.image, container_user=_USER)))
     cores = sorted(os.sched_getaffinity(0))
     workers = {
         r: WorkerLaunch(r, r, WorkerDevice("cpu", r, f"cpu{r % args.groups}"), (cores[r % len(cores)],), None)
@@ -162,7 +130,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
 
 def _remove_kept(before: set) -> None:
     """Removes the containers this benchmark kept (not the user's)."""
-    from kaitian.launcher.runtimes.docker.runtime import connect
+    from kaitian.launcher.runtimes.docker.client import connect
 
     client = connect()
     for c in client.containers.list(all=True, filters={"label": ["org.kaitian.managed=1", "org.kaitian.keep=1"]}):
@@ -172,7 +140,7 @@ def _remove_kept(before: set) -> None:
 
 def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     """Runs the benchmark; returns medians per runtime (and the cold docker start)."""
-    from kaitian.launcher.runtimes.docker.runtime import connect
+    from kaitian.launcher.runtimes.docker.client import connect
 
     client = connect()
     before = {
@@ -183,8 +151,6 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     latency: Dict[str, float] = {}
     workdir = tempfile.mkdtemp(prefix="kaitian-bench-docker-")
     try:
-        with open(os.path.join(workdir, "bench_worker.py"), "w") as f:
-            f.write(_WORKER)
         print("[bench] runtime start latency (trivial program, containers created)", flush=True)
         latency = _runtime_start_latency(args, workdir)
         print("[bench] warm-up: docker run creating the containers (kept for the measured runs)", flush=True)
@@ -243,11 +209,52 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _worker(argv: List[str]) -> int:
+    """One rank (``--worker BACKEND OUT SIZE_MB ITERS``, under kaitianrun): the first
+    allreduce's time and the allreduce bus bandwidth, written by rank 0 to OUT."""
+    import torch
+    import torch.distributed as dist
+
+    backend, out, size_mb, iters = argv[0], argv[1], int(argv[2]), int(argv[3])
+    if backend == "kaitian":
+        import kaitian  # noqa: F401  registers the backend
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    first = time.time()
+    x = torch.ones(size_mb * (1 << 20) // 4)
+    for _ in range(3):
+        dist.all_reduce(x)
+    # Best of three windows: the host is shared, and a window that another
+    # process preempted says nothing about the transport.
+    took = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        took = min(took, (time.perf_counter() - began) / iters)
+    # The slowest rank's time is the collective's time.
+    slow = torch.tensor([took, first], dtype=torch.float64)
+    dist.all_reduce(slow, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        nbytes = x.numel() * 4
+        busbw = 2 * (world - 1) / world * nbytes / slow[0].item()
+        with open(out, "w") as f:
+            json.dump({"first": slow[1].item(), "time": slow[0].item(), "busbw": busbw}, f)
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``kaitian bench docker [--image cpu=IMAGE] [--runs N] [--size-mb M] [--backend B]``."""
-    from kaitian.launcher.runtimes.docker.plan import DockerRuntimeError
+    from kaitian.errors import DockerRuntimeError
 
-    args = _parser().parse_args(list(argv or []))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    args = _parser().parse_args(argv)
     try:
         med = run_bench(args)
     except (DockerRuntimeError, RuntimeError, subprocess.TimeoutExpired) as exc:

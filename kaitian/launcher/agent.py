@@ -17,14 +17,15 @@ import signal
 import tempfile
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kaitian.devices import vendors as _vendors
 from kaitian import _torch as _te
-from kaitian.launcher.placement import Slot, lay_out
+from kaitian.errors import RendezvousError
+from kaitian.launcher.placement import Slot
 from kaitian.launcher.logs import line_prefixes
 from kaitian.launcher.plan import WorkerPlan
-from kaitian.launcher.rendezvous import KaitianRendezvousHandler, exchange_inventory
+from kaitian.launcher.rendezvous import NodePlan, agree_on_placement, local_inventory
 from kaitian.launcher.rundir import RunDir
 from kaitian.launcher.runtimes.base import Runtime, WorkerLaunch
 from kaitian.settings import settings
@@ -52,6 +53,8 @@ class KaitianAgent(_te.SimpleElasticAgent):
         omp_from_user: ``OMP_NUM_THREADS`` was set by the user (it then wins
             over a CPU slot's core count).
         exit_barrier_timeout: as torch's.
+        worker_store_port: the fixed port of the workers' store on node 0, kept
+            across restarts (``None``: a free port after each restart).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
         monitor: Any = None,
         omp_from_user: bool = False,
         exit_barrier_timeout: float = 300,
+        worker_store_port: Optional[int] = None,
     ) -> None:
         if spec.local_world_size != len(plans):
             raise ValueError(f"local_world_size {spec.local_world_size} != {len(plans)} planned workers")
@@ -87,13 +91,10 @@ class KaitianAgent(_te.SimpleElasticAgent):
         self._pcontext: Optional[_te.PContext] = None
         self._watchdog = None
         self._health_check_server = None
-        self.inventories: List[List[Slot]] = []
-        self._epoch = 0  # this round's inventory exchange number (the same on every node)
+        self._plan: Optional[NodePlan] = None  # this round's placement, from node 0
         self._starts = 0
-        self._worker_store = None
-        handler = spec.rdzv_handler
-        if isinstance(handler, KaitianRendezvousHandler):
-            handler.local_slots = self._local_slots()
+        self._worker_store = None  # the store node 0 serves to its workers after a restart
+        self._worker_store_fixed_port = worker_store_port
 
     # -- rank layout ----------------------------------------------------------
 
@@ -104,55 +105,63 @@ class KaitianAgent(_te.SimpleElasticAgent):
     def _assign_worker_ranks(
         self, store, group_rank: int, group_world_size: int, spec: "_te.WorkerSpec"
     ) -> List["_te.Worker"]:
-        """Exchanges inventories (unless the kaitian rendezvous did) and lays ranks out by vendor."""
-        handler = spec.rdzv_handler
-        inventories = getattr(handler, "inventories", None)
-        epoch = getattr(handler, "epoch", None)
-        if not inventories or len(inventories) != group_world_size or epoch is None:
-            epoch, inventories = exchange_inventory(store, group_rank, group_world_size, self._local_slots())
-        self._epoch = epoch
-        self.inventories = inventories
-        placements = lay_out(inventories)
-        workers = []
-        for local_rank in range(spec.local_world_size):
-            p = placements[(group_rank, local_rank)]
-            workers.append(
-                _te.Worker(
-                    local_rank=local_rank,
-                    global_rank=p.global_rank,
-                    role_rank=p.role_rank,
-                    world_size=p.world_size,
-                    role_world_size=p.role_world_size,
-                )
+        """Agrees on the round's placement (decided once, by node 0) and lays ranks out by vendor."""
+        self._worker_store = None  # node 0 of the previous round serves no more (this one may not be node 0)
+        plan = agree_on_placement(
+            store, group_rank, group_world_size, local_inventory(self._local_slots()),
+            serve_worker_store=lambda: self._serve_worker_store(spec),
+        )
+        self._plan = plan
+        return [
+            _te.Worker(
+                local_rank=local_rank,
+                global_rank=p.global_rank,
+                role_rank=p.role_rank,
+                world_size=p.world_size,
+                role_world_size=p.role_world_size,
             )
-        return workers
+            for local_rank, p in enumerate(plan.placements)
+        ]
 
-    # -- the workers' store on restarts ---------------------------------------
+    # -- the workers' store ---------------------------------------------------
 
-    def _worker_store_port(self, worker_group: "_te.WorkerGroup") -> int:
-        """The port of the store this start's workers use, decided by node 0 for every node.
+    def _serve_worker_store(self, spec: "_te.WorkerSpec") -> Optional[Tuple[str, int]]:
+        """Node 0: the store this start's workers use, published to every node with the placement.
 
         torch 2.13 workers join the agent's store without a per-attempt prefix
         (``TORCHELASTIC_USE_AGENT_STORE``), and the agent's store outlives a
         restart, so restarted workers would read the previous attempt's keys
         (gloo connects to dead peers and the job hangs, under torchrun too).
-        Node 0 therefore serves a fresh store from its second start on (its
-        first start keeps torchrun's exact ``MASTER_PORT``) and publishes the
-        port in the round's store: a node joining later must use the same one.
+        Node 0 therefore serves a fresh store for every start after its first
+        (whose store is torchrun's exact one), on ``worker_store_port`` when
+        one is configured (firewalled clusters), else on a free port. Every
+        node takes the address from node 0's plan, never from torch's cache:
+        after the node that held the store is lost, torch's cache on the
+        survivors still names it.
         """
+        if not spec.rdzv_handler.use_agent_store:
+            return None  # worker rank 0 hosts the store (torchrun's MASTER_ADDR / MASTER_PORT)
+        info = getattr(spec.rdzv_handler, "last_info", None)
+        bootstrap = info.bootstrap_store_info if info is not None else None
+        addr = spec.master_addr or (bootstrap.master_addr if bootstrap else None)
+        port = spec.master_port or (bootstrap.master_port if bootstrap else None)
+        if addr is None or port is None:
+            return None
+        if self._starts == 0 and (self._worker_store_fixed_port is None or self._worker_store_fixed_port == port):
+            return addr, int(port)
         import torch.distributed as dist
 
-        key = f"kaitian/worker_store/{self._epoch}"
-        if worker_group.group_rank == 0:
-            port = worker_group.master_port
-            if self._starts > 0:
-                self._worker_store = None  # the previous attempt's workers are gone
-                self._worker_store = dist.TCPStore(
-                    host_name=worker_group.master_addr, port=0, is_master=True, wait_for_workers=False
-                )
-                port = self._worker_store.port
-            worker_group.store.set(key, str(port))
-        return int(worker_group.store.get(key))
+        wanted = self._worker_store_fixed_port or 0
+        try:
+            self._worker_store = dist.TCPStore(
+                host_name=addr, port=wanted, is_master=True, wait_for_workers=False
+            )
+        except RuntimeError as e:
+            raise RendezvousError(
+                f"cannot serve the workers' store on port {wanted} of {addr} ({e}); "
+                "free the port or choose another --master-port"
+            ) from None
+        return addr, int(self._worker_store.port)
 
     # -- the job key -------------------------------------------------------------
 
@@ -170,7 +179,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
             return given
         if worker_group.group_world_size == 1:
             return secrets.token_hex(32)
-        key = f"kaitian/job_key/{self._epoch}"
+        key = f"kaitian/job_key/{self._plan.epoch}"  # the round's exchange number, the same on every node
         if worker_group.group_rank == 0:
             worker_group.store.set(key, secrets.token_hex(32))
         return worker_group.store.get(key).decode()
@@ -273,8 +282,8 @@ class KaitianAgent(_te.SimpleElasticAgent):
             raise AssertionError("worker group has no store; rendezvous first")
         restart_count = spec.max_restarts - self._remaining_restarts
         start_dir = self._run_dir.new_start()
-        if spec.rdzv_handler.use_agent_store:
-            worker_group.master_port = self._worker_store_port(worker_group)
+        if self._plan is not None and self._plan.worker_store is not None:
+            worker_group.master_addr, worker_group.master_port = self._plan.worker_store
         self._starts += 1
         job_key = self._job_key(worker_group)
 

@@ -22,7 +22,7 @@ from kaitian.launcher.launch import KaitianLaunch, launch_agent
 from kaitian.launcher.logs import build_logs_specs
 from kaitian.launcher.plan import parse_cpu_quota, plan_workers
 from kaitian.launcher.rundir import RunDir, collect_stale
-from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, runtime_class
+from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, options_from_args, runtime_class
 from kaitian.launcher.runtimes.cpu_limits import quota_mode
 from kaitian.errors import KaitianError, UsageError
 from kaitian.settings import settings
@@ -39,6 +39,26 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _EnvList(argparse.Action):
+    """A repeatable flag whose ``PET_<DEST>`` form is a comma list (``PET_IMAGE=cuda=a,mlu=b``).
+
+    The flags given on the command line replace the variable's list, as a
+    torchrun flag replaces its ``PET_*`` value.
+    """
+
+    def __init__(self, dest: str, default=None, **kwargs) -> None:
+        raw = os.environ.get(f"PET_{dest.upper()}", "")
+        default = [v for v in raw.split(",") if v] if raw else list(default or [])
+        super().__init__(dest=dest, default=default, **kwargs)
+        self._from_env = default
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        if current is self._from_env:  # first use on the command line: drop the variable's list
+            current = []
+        setattr(namespace, self.dest, [*current, values])
 
 
 def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
@@ -58,48 +78,54 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     k.add_argument(
         "--nproc-auto",
         "--nproc_auto",
-        action="store_true",
+        action=_te.check_env,
         help="one worker per selected device, all vendors (USE_CUDA / USE_MLU / USE_CPU, "
         "or --devices); overrides --nproc-per-node",
     )
     k.add_argument(
         "--devices",
+        action=_te.env,
         default=None,
         metavar="KEYS",
         help="devices to use, as keys: cuda:0,cuda:1,cpu (a bare type = all of it, "
         "type:-1 = none); types not named keep their USE_<TYPE> setting",
     )
     k.add_argument(
-        "--cpu-slots", "--cpu_slots", type=int, default=None, metavar="N",
+        "--cpu-slots", "--cpu_slots", type=int, action=_te.env, default=None, metavar="N",
         help="split this node's cores into N CPU slots (default: one per NUMA node)",
     )
     k.add_argument(
-        "--cpu-groups", "--cpu_groups", type=int, default=None, metavar="N",
+        "--cpu-groups", "--cpu_groups", type=int, action=_te.env, default=None, metavar="N",
         help="split the CPU workers into N simulated vendor groups cpu0..cpuN-1 (KAITIAN_GROUP)",
     )
     k.add_argument(
-        "--cpu-quota", "--cpu_quota", default=None, metavar="Q0,Q1,...",
+        "--cpu-quota", "--cpu_quota", action=_te.env, default=None, metavar="Q0,Q1,...",
         help="cores of CPU time per CPU group (one value for all groups, or one per group)",
     )
     k.add_argument(
-        "--runtime", choices=sorted(RUNTIMES), default="local",
+        "--runtime", action=_te.env, choices=sorted(RUNTIMES), default="local",
         help="where workers run: local subprocesses or per-vendor docker containers",
     )
     k.add_argument(
-        "--image", action="append", default=[], metavar="VENDOR_OR_GROUP=IMAGE",
+        "--image", action=_EnvList, default=[], metavar="VENDOR_OR_GROUP=IMAGE",
         help="docker image for a vendor or group (repeatable), e.g. cuda=kaitian:cuda",
     )
     k.add_argument(
-        "--keep-containers", "--keep_containers", action="store_true",
+        "--keep-containers", "--keep_containers", action=_te.check_env,
         help="docker: leave the containers running after the run (reused next time)",
     )
     k.add_argument(
-        "-v", "--volume", action="append", default=[], metavar="HOST:CTR[:ro]",
+        "-v", "--volume", action=_EnvList, default=[], metavar="HOST:CTR[:ro]",
         help="docker: extra bind mount (repeatable)",
     )
-    k.add_argument("--shm-size", "--shm_size", default="2g", help="docker: /dev/shm size (default 2g)")
+    k.add_argument("--shm-size", "--shm_size", action=_te.env, default="2g", help="docker: /dev/shm size (default 2g)")
     k.add_argument(
-        "--monitor", nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
+        "--container-user", "--container_user", action=_te.env, default=None, metavar="root|UID[:GID]",
+        help="docker: user the workers run as (default: a non-root user: yours, or for a root "
+        "agent the owner of the working directory)",
+    )
+    k.add_argument(
+        "--monitor", action=_te.env, nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
         help="record per-rank throughput and utilisation; plot + summary in DIR "
         "(default ./kaitian-monitor) when the run ends",
     )
@@ -127,16 +153,6 @@ def _check_script(args: argparse.Namespace) -> None:
         raise UsageError(f"{script}: no such file")
 
 
-def _images(values: List[str]) -> Dict[str, str]:
-    images: Dict[str, str] = {}
-    for value in values:
-        key, sep, ref = value.partition("=")
-        if not sep or not key or not ref:
-            raise UsageError(f"--image {value!r}: expected VENDOR_OR_GROUP=IMAGE[:TAG], e.g. cuda=kaitian:cuda")
-        images[key] = ref
-    return images
-
-
 def _capabilities() -> Dict[str, float]:
     try:
         from kaitian.training.capability import load_capabilities
@@ -149,8 +165,16 @@ def _capabilities() -> Dict[str, float]:
         return {}
 
 
-def _resolve_rendezvous(args: argparse.Namespace) -> None:
-    """torchrun's ``run()`` preamble: ``--standalone`` and single-node defaults."""
+def _resolve_rendezvous(args: argparse.Namespace) -> Optional[int]:
+    """torchrun's ``run()`` preamble: ``--standalone`` and single-node defaults.
+
+    Returns:
+        The fixed port of the workers' store: ``--master-port`` (or
+        ``PET_MASTER_PORT``) when given with a dynamic rendezvous (``c10d``,
+        ``kaitian``), where torchrun would ignore it. With ``static`` it is the
+        rendezvous store's own port, which outlives restarts; ``None`` then.
+    """
+    explicit_port = args.master_port
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
@@ -163,6 +187,9 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
             args.rdzv_id = str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    if explicit_port is None or args.rdzv_backend == "static" or args.standalone:
+        return None
+    return int(explicit_port)
 
 
 @_te.record
@@ -179,7 +206,7 @@ def run(args: argparse.Namespace) -> None:
     """
     _check_script(args)
     settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
-    _resolve_rendezvous(args)
+    worker_store_port = _resolve_rendezvous(args)
     known = _te.rendezvous_backend_names()
     if args.rdzv_backend not in known:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend}: unknown; registered: {', '.join(known)}")
@@ -207,12 +234,13 @@ def run(args: argparse.Namespace) -> None:
 
     if args.runtime == "local" and any(p.cpu_quota is not None for p in plans):
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
-    images = _images(args.image)
+    runtime_options = options_from_args(args, config)  # every runtime flag checked before anything starts
     collect_stale()
     stale = runtime_class(args.runtime).collect_stale()
     if stale:
         logger.warning("removed what killed agents left behind: %s", ", ".join(stale))
     run_dir = RunDir(config.run_id)
+    succeeded = False
     try:
         if args.logs_specs is None:
             ranks = (
@@ -235,15 +263,7 @@ def run(args: argparse.Namespace) -> None:
                 run_dir=run_dir.path,
                 log_dir=args.log_dir,
                 cwd=os.getcwd(),
-                options={
-                    "images": images,
-                    "keep_containers": args.keep_containers,
-                    "volumes": list(args.volume),
-                    "shm_size": args.shm_size,
-                    "numa_options": _te.launch_option(config, "numa_options"),
-                    "duplicate_stdout_filters": _te.launch_option(config, "duplicate_stdout_filters"),
-                    "duplicate_stderr_filters": _te.launch_option(config, "duplicate_stderr_filters"),
-                },
+                options=runtime_options,
             ),
         )
         kaitian = KaitianLaunch(
@@ -253,11 +273,15 @@ def run(args: argparse.Namespace) -> None:
             capabilities=_capabilities(),
             monitor_dir=monitor_dir,
             omp_from_user=omp_from_user,
+            worker_store_port=worker_store_port,
         )
         _launch(config, cmd, cmd_args, kaitian)
+        succeeded = True
     finally:
         # After @record has copied the root cause's error file: it lives in here.
-        run_dir.remove()
+        kept = run_dir.finish(succeeded)
+        if kept:
+            print(f"{_PROG}: the workers' logs are kept in {kept}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -39,6 +39,8 @@ class KaitianLaunch:
         capabilities: device key -> samples/s.
         monitor_dir: ``--monitor`` directory or ``None``.
         omp_from_user: the user set ``OMP_NUM_THREADS``.
+        worker_store_port: node 0 serves the workers' store on this port on
+            every start (``None``: torchrun's port, then a free one per restart).
     """
 
     plans: List[WorkerPlan]
@@ -47,6 +49,7 @@ class KaitianLaunch:
     capabilities: Dict[str, float] = field(default_factory=dict)
     monitor_dir: Optional[str] = None
     omp_from_user: bool = False
+    worker_store_port: Optional[int] = None
 
 
 def _make_monitor(out_dir: str) -> Any:
@@ -101,6 +104,7 @@ def launch_agent(
     rdzv_handler = _te.get_rendezvous_handler(rdzv_parameters)
     if not isinstance(rdzv_handler, KaitianRendezvousHandler):
         rdzv_handler = KaitianRendezvousHandler(rdzv_handler, name=rdzv_handler.get_backend())
+    rdzv_handler.order_nodes = False  # the agent places every worker (kaitian.launcher.rendezvous)
     spec = _te.call_supported(
         _te.WorkerSpec,
         role=config.role,
@@ -141,6 +145,7 @@ def launch_agent(
             monitor_dir=kaitian.monitor_dir,
             monitor=monitor,
             omp_from_user=kaitian.omp_from_user,
+            worker_store_port=kaitian.worker_store_port,
         )
         _te.metrics.initialize_metrics(_te.metrics.MetricsConfig(config.metrics_cfg))
         try:

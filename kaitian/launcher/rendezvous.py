@@ -1,12 +1,19 @@
-"""The ``kaitian`` rendezvous: torchelastic's c10d rendezvous plus a device-inventory exchange.
+"""The ``kaitian`` rendezvous: torchelastic's c10d rendezvous, then one placement per round.
 
-Nodes with different device mixes form one world because every node publishes
-its inventory (one :class:`~kaitian.launcher.placement.Slot` per local worker)
-in the rendezvous store, and every node reads all of them back before ranks
-are assigned. ``--rdzv-backend kaitian`` does the exchange inside
-``next_rendezvous``; with the other backends (``c10d``, ``static``,
-``--standalone``) the agent runs the same exchange on the store the
-rendezvous returned (:func:`exchange_inventory`).
+Nodes with different device mixes form one world in two steps after
+torchelastic's join:
+
+1. every node publishes its :class:`NodeInventory` (its workers' slots, its
+   kaitian version and bridge protocol version) in the round's store;
+2. node 0 reads them all (one request), checks the versions, lays the ranks
+   out by vendor (:func:`~kaitian.launcher.placement.lay_out`), decides where the
+   workers' store is, and publishes each node its share; every other node reads
+   one key (:func:`agree_on_placement`).
+
+So a round costs O(nodes) store requests, and every node starts its workers
+from the same decision. ``--rdzv-backend kaitian`` is c10d's dynamic
+rendezvous under this name; kaitianrun wraps the other backends (``c10d``,
+``static``, ``--standalone``) in the same handler, so all of them behave alike.
 
 The handler is registered with torchelastic under ``"kaitian"`` when this
 module is imported, and through the ``torchrun.handlers`` entry point
@@ -18,73 +25,227 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import List, Optional, Sequence, Tuple
+import socket
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from kaitian import _torch as _te
-from kaitian.launcher.placement import Slot
+from kaitian.devices.device import WorkerDevice
+from kaitian.errors import KaitianError, RendezvousError, VersionMismatchError
+from kaitian.launcher.placement import Placement, Slot, lay_out
 
 __all__ = [
     "BACKEND_NAME",
+    "NodeInventory",
+    "NodePlan",
     "KaitianRendezvousHandler",
+    "agree_on_placement",
+    "bridge_protocol",
+    "check_versions",
     "create_handler",
     "handler_creator_entry",
-    "exchange_inventory",
+    "local_inventory",
     "register",
 ]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "kaitian"
-_INVENTORY_PREFIX = "kaitian/inventory"
+_PREFIX = "kaitian/round"
+
+def bridge_protocol() -> int:
+    """The bridge protocol version this node's workers speak (``kaitian._C.BRIDGE_PROTOCOL``,
+    the C++ bridge's own constant; 0 when the extension is not built)."""
+    try:
+        from kaitian import _C
+    except ImportError:
+        return 0
+    return int(_C.BRIDGE_PROTOCOL)
 
 
-def exchange_inventory(
-    store, group_rank: int, group_world_size: int, slots: Sequence[Slot]
-) -> Tuple[int, List[List[Slot]]]:
-    """Publishes this node's slots and returns every node's, indexed by group rank.
+@dataclass(frozen=True)
+class NodeInventory:
+    """What one node tells node 0 in a round.
 
-    Keys carry a per-node exchange counter, so a store that outlives a
-    rendezvous round (the static rendezvous keeps one store for the whole run)
-    never serves a previous round's inventory.
+    Attributes:
+        slots: its workers, in local-rank order.
+        host: its host name (for messages).
+        version: its kaitian version.
+        protocol: its bridge protocol version.
+    """
+
+    slots: Tuple[Slot, ...]
+    host: str
+    version: str
+    protocol: int
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "slots": [s.to_json() for s in self.slots],
+            "host": self.host,
+            "version": self.version,
+            "protocol": self.protocol,
+        })
+
+    @classmethod
+    def from_json(cls, raw: str) -> "NodeInventory":
+        d = json.loads(raw)
+        return cls(tuple(Slot.from_json(s) for s in d["slots"]), d["host"], d["version"], int(d["protocol"]))
+
+
+def local_inventory(slots: Sequence[Slot]) -> NodeInventory:
+    """This node's inventory: its slots plus the versions it runs."""
+    import kaitian
+
+    return NodeInventory(tuple(slots), socket.gethostname(), kaitian.__version__, bridge_protocol())
+
+
+def check_versions(inventories: Sequence[NodeInventory]) -> None:
+    """Raises unless every node runs node 0's kaitian and bridge protocol versions.
+
+    Raises:
+        VersionMismatchError: one line naming node 0's versions and the first node that differs.
+    """
+    first = inventories[0]
+    for rank, inv in enumerate(inventories):
+        if (inv.version, inv.protocol) != (first.version, first.protocol):
+            raise VersionMismatchError(
+                f"nodes run different kaitian versions: node 0 ({first.host}) has kaitian {first.version} "
+                f"(bridge protocol {first.protocol}), node {rank} ({inv.host}) has kaitian {inv.version} "
+                f"(bridge protocol {inv.protocol}); install the same kaitian on every node"
+            )
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """This node's share of a round's placement, as node 0 decided it.
+
+    Attributes:
+        epoch: the round's exchange number (the same on every node).
+        placements: per local rank, its ranks in the world.
+        worker_store: ``(addr, port)`` of the store the workers use, or
+            ``None`` to keep what the rendezvous returned.
+    """
+
+    epoch: int
+    placements: Tuple[Placement, ...]
+    worker_store: Optional[Tuple[str, int]]
+
+
+def agree_on_placement(
+    store,
+    group_rank: int,
+    group_world_size: int,
+    inventory: NodeInventory,
+    serve_worker_store: Optional[Callable[[], Optional[Tuple[str, int]]]] = None,
+) -> NodePlan:
+    """Publishes this node's inventory and returns this node's plan, decided once by node 0.
+
+    Keys carry a per-node exchange counter, so a store that outlives a round
+    (the static rendezvous keeps one store for the whole run) never serves a
+    previous round's inventory or plan.
 
     Args:
-        store: the rendezvous store (shared by all nodes of this round).
+        store: the round's rendezvous store.
         group_rank: this node's rank.
         group_world_size: number of nodes.
-        slots: this node's workers, in local-rank order.
+        inventory: this node's inventory.
+        serve_worker_store: called on node 0 only, after the checks: starts the
+            workers' store and returns its ``(addr, port)`` (or ``None``).
 
     Returns:
-        ``(epoch, inventories)``: the exchange's number (the same on every
-        node; a key prefix for anything else exchanged in this round) and the
-        inventories of all nodes, indexed by group rank.
+        This node's plan.
+
+    Raises:
+        VersionMismatchError: the nodes' versions differ (raised on every node, before any worker starts).
+        RendezvousError: node 0 could not place the workers.
     """
-    epoch = store.add(f"{_INVENTORY_PREFIX}/epoch/{group_rank}", 1)
-    prefix = f"{_INVENTORY_PREFIX}/{epoch}"
-    store.set(f"{prefix}/{group_rank}", json.dumps([s.to_json() for s in slots]))
-    raw = store.multi_get([f"{prefix}/{r}" for r in range(group_world_size)])
-    return epoch, [[Slot.from_json(s) for s in json.loads(bytes(b).decode())] for b in raw]
+    epoch = store.add(f"{_PREFIX}/epoch/{group_rank}", 1)
+    prefix = f"{_PREFIX}/{epoch}"
+    store.set(f"{prefix}/inventory/{group_rank}", inventory.to_json())
+    plan_keys = [f"{prefix}/plan/{r}" for r in range(group_world_size)]
+    if group_rank == 0:
+        raw = store.multi_get([f"{prefix}/inventory/{r}" for r in range(group_world_size)])
+        inventories = [NodeInventory.from_json(bytes(b).decode()) for b in raw]
+        logger.info("kaitian rendezvous: inventories %s", inventories)
+        failure: Optional[KaitianError] = None
+        try:
+            check_versions(inventories)
+            placements = lay_out([inv.slots for inv in inventories])
+            worker_store = serve_worker_store() if serve_worker_store else None
+            plans = [
+                json.dumps({
+                    "placements": [list(_astuple(placements[(r, lr)])) for lr in range(len(inv.slots))],
+                    "store": list(worker_store) if worker_store else None,
+                })
+                for r, inv in enumerate(inventories)
+            ]
+        except KaitianError as e:
+            failure = e
+            plans = [json.dumps({"error": str(e), "kind": type(e).__name__})] * group_world_size
+        store.multi_set(plan_keys, plans)
+        if failure is not None:
+            raise failure
+        mine = json.loads(plans[0])
+    else:
+        mine = json.loads(bytes(store.get(plan_keys[group_rank])).decode())
+    if "error" in mine:
+        kind = VersionMismatchError if mine.get("kind") == VersionMismatchError.__name__ else RendezvousError
+        raise kind(mine["error"])
+    ws = mine["store"]
+    return NodePlan(
+        epoch=epoch,
+        placements=tuple(Placement(*p) for p in mine["placements"]),
+        worker_store=(str(ws[0]), int(ws[1])) if ws else None,
+    )
+
+
+def _astuple(p: Placement) -> tuple:
+    return (p.global_rank, p.world_size, p.role_rank, p.role_world_size)
+
+
+def _node_vendor() -> str:
+    """The vendor plain torchrun's workers on this node use: its first selected device's."""
+    from kaitian.devices.inventory import discover, select
+
+    return select(discover(detail=False))[0].type
 
 
 class KaitianRendezvousHandler(_te.RendezvousHandler):
-    """Wraps a torchelastic rendezvous: adds the inventory exchange and a scale-up fix.
+    """Wraps a torchelastic rendezvous: fixes node 0's store address and orders nodes by vendor.
 
-    Set :attr:`local_slots` before :meth:`next_rendezvous`; afterwards
-    :attr:`inventories` holds every node's slots for the round. As
-    ``--rdzv-backend kaitian`` it wraps c10d's dynamic rendezvous; the launcher
-    also wraps the other backends with it (keeping their name), so every
-    backend gets the same behaviour.
+    As ``--rdzv-backend kaitian`` it wraps c10d's dynamic rendezvous; the
+    launcher also wraps the other backends with it (keeping their name), so
+    every backend gets the same behaviour. After :meth:`next_rendezvous`,
+    :attr:`last_info` is the round's ``RendezvousInfo``.
+
+    Under plain ``torchrun --rdzv-backend kaitian`` (``order_nodes``), the
+    round's node ranks are decided like kaitianrun's placement, from one slot
+    per node naming its vendor: nodes are ordered by vendor, so torchrun's
+    ranks (node offset + local rank) come out grouped by vendor whenever each
+    node runs one vendor, and the nodes' versions are checked. kaitianrun's
+    agent places every worker itself and turns this off.
 
     Args:
         inner: the rendezvous doing the actual join.
         name: what :meth:`get_backend` reports.
+        order_nodes: order node ranks by vendor (plain torchrun).
+        node_vendor: this node's vendor (default: its first selected device's).
     """
 
-    def __init__(self, inner: "_te.RendezvousHandler", name: str = BACKEND_NAME) -> None:
+    def __init__(
+        self,
+        inner: "_te.RendezvousHandler",
+        name: str = BACKEND_NAME,
+        order_nodes: bool = True,
+        node_vendor: Callable[[], str] = _node_vendor,
+    ) -> None:
         self._inner = inner
         self._name = name
-        self.local_slots: Optional[List[Slot]] = None
-        self.inventories: Optional[List[List[Slot]]] = None
-        self.epoch: Optional[int] = None
+        self.order_nodes = order_nodes
+        self._node_vendor = node_vendor
+        self._vendor: Optional[str] = None
+        self.last_info: Optional["_te.RendezvousInfo"] = None
 
     def get_backend(self) -> str:
         return self._name
@@ -95,19 +256,32 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
 
     def next_rendezvous(self):
         info = self._inner.next_rendezvous()
-        if info.rank == 0 and info.bootstrap_store_info is not None:
-            # torch 2.13's dynamic rendezvous publishes the agent store's address
-            # only in the round where node 0 created it; a node joining a later
-            # round (scale-up) waits for it in that round's store until it times
-            # out. Node 0 republishes it in every round.
-            info.store.set(_te.RendezvousStoreInfo.MASTER_ADDR_KEY, info.bootstrap_store_info.master_addr)
-            info.store.set(_te.RendezvousStoreInfo.MASTER_PORT_KEY, str(info.bootstrap_store_info.master_port))
-        self.inventories = self.epoch = None
-        if self.local_slots is not None:
-            self.epoch, self.inventories = exchange_inventory(
-                info.store, info.rank, info.world_size, self.local_slots
-            )
-            logger.info("kaitian rendezvous: inventories %s", self.inventories)
+        store, bootstrap = info.store, info.bootstrap_store_info
+        keys = _te.RendezvousStoreInfo
+        if bootstrap is not None:
+            if info.rank == 0:
+                # torch 2.13's dynamic rendezvous publishes the agent store's
+                # address only in the round where node 0 created it; a node
+                # joining a later round (scale-up) would wait for it until it
+                # times out. Node 0 republishes it in every round.
+                store.set(keys.MASTER_ADDR_KEY, bootstrap.master_addr)
+                store.set(keys.MASTER_PORT_KEY, str(bootstrap.master_port))
+            else:
+                # The other nodes cache the first round's address; after the
+                # node that held the store is lost it names a dead node.
+                bootstrap = keys(
+                    bytes(store.get(keys.MASTER_ADDR_KEY)).decode(),
+                    int(bytes(store.get(keys.MASTER_PORT_KEY)).decode()),
+                )
+        rank = info.rank
+        if self.order_nodes:
+            if self._vendor is None:
+                self._vendor = self._node_vendor()  # a node's devices do not change between rounds
+            vendor = self._vendor
+            mine = local_inventory([Slot(WorkerDevice(vendor, 0), "node")])
+            rank = agree_on_placement(store, info.rank, info.world_size, mine).placements[0].global_rank
+        info = _te.RendezvousInfo(store, rank, info.world_size, bootstrap)
+        self.last_info = info
         return info
 
     def is_closed(self) -> bool:
@@ -149,5 +323,6 @@ def register() -> None:
         # Already registered with another creator (a second copy of kaitian on
         # the path); keep the first one, as torch does for its own plug-ins.
         logger.warning("rendezvous backend %r is already registered; keeping it", BACKEND_NAME)
+
 
 register()

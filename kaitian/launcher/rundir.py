@@ -7,6 +7,10 @@ shared-memory names live there) and two small records: the agent's identity
 and the current workers' pids. The next agent that starts on the host reads
 those records; if their agent is gone it kills the workers it left running
 and removes the directory.
+
+A run that fails keeps its worker logs: ``finish(succeeded=False)`` removes
+everything but the default log directory and the agent record, so the
+directory is no longer a run to collect; only a successful run removes it all.
 """
 
 from __future__ import annotations
@@ -22,22 +26,23 @@ from typing import Dict, List, Optional
 
 from kaitian.errors import RunDirError
 
-__all__ = ["RunDir", "base_dir", "collect_stale"]
+__all__ = ["RunDir", "base_dir", "collect_stale", "record_pid_namespace"]
 
 logger = logging.getLogger(__name__)
 
 _AGENT_FILE = "agent.json"
 _WORKERS_FILE = "workers.json"
+_NAMESPACES_FILE = "pid-namespaces.json"
 
 
 def base_dir() -> str:
-    """``$TMPDIR/kaitian-<uid>``, created owner-only."""
+    """``$TMPDIR/kaitian-<uid>``, created owner-only (never readable or writable by others)."""
     path = os.path.join(tempfile.gettempdir(), f"kaitian-{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path)
     if st.st_uid != os.getuid():
         raise RunDirError(f"{path} belongs to another user; set TMPDIR to a private directory")
-    if st.st_mode & 0o077:
+    if st.st_mode & 0o066:  # search-only (0711) is allowed: kept containers of another user traverse it
         os.chmod(path, 0o700)
     return path
 
@@ -84,7 +89,7 @@ class RunDir:
 
     @property
     def log_dir(self) -> str:
-        """Default ``--log-dir`` (removed with the run directory)."""
+        """Default ``--log-dir`` (removed after a successful run, kept after a failed one)."""
         path = os.path.join(self.path, "logs")
         os.makedirs(path, mode=0o700, exist_ok=True)
         return path
@@ -112,6 +117,75 @@ class RunDir:
     def remove(self) -> None:
         """Deletes the directory (idempotent)."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+    def finish(self, succeeded: bool) -> Optional[str]:
+        """Ends the run: removes the directory, or after a failure keeps the default logs.
+
+        Args:
+            succeeded: whether the job finished successfully.
+
+        Returns:
+            The kept log directory, or ``None`` (success, or no log was written).
+        """
+        logs = os.path.join(self.path, "logs")
+        kept = not succeeded and any(files for _, _, files in os.walk(logs))
+        if not kept:
+            self.remove()
+            return None
+        for name in os.listdir(self.path):
+            if name != "logs":  # with agent.json gone, no later agent collects it
+                path = os.path.join(self.path, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+        return logs
+
+
+def record_pid_namespace(run_dir: str, pid_ns: int) -> None:
+    """Remembers a container's pid namespace (the docker runtime's), so a later
+    agent removes the shared memory its workers left if this agent is killed:
+    the container then removes itself, but its segments stay in the host's IPC."""
+    path = os.path.join(run_dir, _NAMESPACES_FILE)
+    try:
+        with open(path) as f:
+            known = list(json.load(f))
+    except (OSError, ValueError):
+        known = []
+    if pid_ns not in known:
+        _write_json(path, known + [pid_ns])
+
+
+def _live_pid_namespaces() -> set:
+    """The pid namespaces (inodes) of the processes this host lets us see."""
+    live = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                live.add(os.stat(f"/proc/{entry}/ns/pid").st_ino)
+            except OSError:
+                pass
+    return live
+
+
+def _collect_namespaces(path: str) -> None:
+    """Removes the shared memory of the dead container namespaces a run recorded."""
+    from kaitian.backend.shm_gc import collect_namespace_segments
+
+    try:
+        with open(os.path.join(path, _NAMESPACES_FILE)) as f:
+            namespaces = json.load(f)
+    except (OSError, ValueError):
+        return
+    live = _live_pid_namespaces()
+    for ns in namespaces:
+        if int(ns) in live:
+            continue  # the number was reused by a namespace that is alive now
+        for name in collect_namespace_segments(int(ns)):
+            logger.warning("removed shared memory %s left by a killed kaitianrun agent's container", name)
 
 
 def collect_stale() -> List[str]:
@@ -150,6 +224,7 @@ def collect_stale() -> List[str]:
                         os.kill(int(pid), signal.SIGKILL)
                     except OSError:
                         pass
+        _collect_namespaces(path)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed

@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,19 +15,28 @@ import pytest
 import torch
 
 from support import REPO, worker
-from support.docker import kaitian_containers, test_image
+from support.docker import WORKER_UID, inspect, kaitian_containers, own, test_image
+from support.kept_logs import RUN_BASE, assert_logs_kept_after_failure, remove_new_kept_logs
 
 SCRIPT = worker("docker_train")
 
 
 def _kaitianrun():
-    exe = shutil.which("kaitianrun")
-    return [exe] if exe else [sys.executable, "-m", "kaitian.launcher.cli"]
+    # This interpreter's kaitianrun (a venv's, say), never another one on PATH.
+    return [sys.executable, "-m", "kaitian.launcher.cli"]
 
 
 @pytest.fixture(scope="module")
 def image():
     return test_image()
+
+
+@pytest.fixture(autouse=True)
+def _workers_own_the_working_directory(tmp_path):
+    own(str(tmp_path))
+    before = set(os.listdir(RUN_BASE)) if os.path.isdir(RUN_BASE) else set()
+    yield
+    remove_new_kept_logs(before)  # failing runs keep their logs; not the tests'
 
 
 def _env(out, mode, **extra):
@@ -85,7 +93,7 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
     where = {}
     for runtime in ("local", "docker"):
         out = tmp_path / runtime
-        out.mkdir()
+        own(str(out))
         proc = subprocess.run(
             _kaitianrun() + _args(runtime, image), env=_env(out, "train", DOCKER_E2E_BACKEND=os.environ.get("DOCKER_E2E_BACKEND", "kaitian")),
             cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
@@ -110,7 +118,7 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
 
 def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
     out = tmp_path / "out"
-    out.mkdir()
+    own(str(out))
     proc = subprocess.Popen(
         _kaitianrun() + _args("docker", image, "--max-restarts", "1"), env=_env(out, "restart"),
         cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -136,11 +144,13 @@ def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
     assert _no_workers_left()
 
 
-def test_failed_job_removes_its_containers(tmp_path, image):
+def test_failed_job_removes_its_containers_and_keeps_its_logs(tmp_path, image):
+    """-r 3, no --log-dir: the workers' output (streamed from their containers)
+    survives the failed run at the printed path; the containers do not."""
     out = tmp_path / "out"
-    out.mkdir()
+    own(str(out))
     proc = subprocess.Popen(
-        _kaitianrun() + _args("docker", image), env=_env(out, "crash"), cwd=str(tmp_path),
+        _kaitianrun() + _args("docker", image, "-r", "3"), env=_env(out, "crash"), cwd=str(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -153,11 +163,12 @@ def test_failed_job_removes_its_containers(tmp_path, image):
     assert "exitcode  : 3" in stderr  # torchrun's root-cause summary
     assert len(_records(out, "where")) == 2  # both ran, in containers
     assert kaitian_containers(agent_pid=proc.pid) == []
+    assert_logs_kept_after_failure(proc, stderr)
 
 
 def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
     out = tmp_path / "out"
-    out.mkdir()
+    own(str(out))
     proc = subprocess.Popen(
         _kaitianrun() + _args("docker", image), env=_env(out, "wait"), cwd=str(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -182,7 +193,7 @@ def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):
     try:
         for attempt in range(2):
             out = tmp_path / f"run{attempt}"
-            out.mkdir()
+            own(str(out))
             proc = subprocess.run(
                 _kaitianrun() + _args("docker", image, "--keep-containers"), env=_env(out, "crash"),
                 cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
@@ -225,3 +236,38 @@ def test_unreachable_daemon_fails_with_one_line(tmp_path):
     assert len(errors) == 1 and f"unix://{sock}" in errors[0] and "start it" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert _records(tmp_path, "where") == {}
+
+
+def test_sigkill_of_kaitianrun_leaves_no_container_and_no_worker(tmp_path, image):
+    """The agent killed with SIGKILL (no handler runs): its containers hold its
+    stdin attach, so they and their workers are gone within seconds, and the
+    next start has nothing to collect."""
+    from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+
+    out = tmp_path / "out"
+    own(str(out))
+    proc = subprocess.Popen(
+        _kaitianrun() + _args("docker", image), env=_env(out, "wait"), cwd=str(tmp_path),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_records(out, "where", 2, proc)
+        containers = kaitian_containers(agent_pid=proc.pid)
+        assert len(containers) == 2
+        for c in containers:  # workers are not root, containers are hardened
+            attrs = inspect(c)
+            assert attrs["Config"]["User"] == f"{WORKER_UID}:{WORKER_UID}" and attrs["HostConfig"]["CapDrop"] == ["ALL"]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while (kaitian_containers(agent_pid=proc.pid) or not _no_workers_left()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kaitian_containers(agent_pid=proc.pid) == []
+        assert _no_workers_left()
+        assert DockerRuntime.collect_stale() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for c in kaitian_containers(agent_pid=proc.pid):
+            c.remove(force=True)

@@ -18,16 +18,13 @@ import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from support import REPO, TESTS, worker
-from support.docker import TEST_IMAGE, engine, kaitian_containers, test_image
+from support.docker import TEST_IMAGE, WORKER_UID, engine, inspect, kaitian_containers, own, test_image
+from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotFoundError
 from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch
-from kaitian.launcher.runtimes.docker.runtime import (
-    DockerRuntime,
-    DockerRuntimeError,
-    DockerUnavailableError,
-    ImageNotFoundError,
-    connect,
-)
+from kaitian.launcher.runtimes.docker.client import connect
+from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
 
 WORKER = worker("docker_runtime")
 
@@ -47,8 +44,8 @@ def run(tmp_path, image):
         run_dir = tmp_path / "run"
         run_dir.mkdir(mode=0o700, exist_ok=True)
         ctx = RunContext(
-            run_id=run_id, run_dir=str(run_dir), log_dir=None, cwd=str(tmp_path),
-            options={"images": images or {"cpu": image}, **options},
+            run_id=run_id, run_dir=str(run_dir), log_dir=None, cwd=own(str(tmp_path)),
+            options=RuntimeOptions(docker=DockerOptions(images=images or {"cpu": image}, **options)),
         )
         rt = DockerRuntime(ctx)
         made.append(rt)
@@ -61,9 +58,9 @@ def run(tmp_path, image):
             c.remove(force=True)
 
 
-def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=Std.NONE):
+def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=Std.NONE, log_dir=None):
     out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
+    own(str(out))
     envs = {}
     for r, w in workers.items():
         envs[r] = {
@@ -77,7 +74,7 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
             "JOB_VARIABLE": f"passed-{r}",
             **(extra_env or {}),
         }
-    logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=redirects, tee=tee)
+    logs = DefaultLogsSpecs(log_dir=str(log_dir or tmp_path / "logs"), redirects=redirects, tee=tee)
     pc = rt.start(
         name="trainer", entrypoint=sys.executable,
         args={r: ("-u", WORKER) for r in workers}, envs=envs, logs_specs=logs,
@@ -138,8 +135,9 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert hc["ShmSize"] == 256 * 2**20
         assert hc["CpusetCpus"] == group[-1]  # slot cpu0 -> core 0, cpu1 -> core 1
         assert hc["CpuShares"] == 1024  # one worker each
-        mounts = {m["Destination"]: m for m in c.attrs["Mounts"]}
-        assert str(tmp_path) in mounts or os.path.dirname(str(tmp_path)) in mounts
+        _assert_hardened(c, image_mounts=engine().images.get(TEST_IMAGE).labels["org.kaitian.host-mounts"])
+        # the run and log directories are inside the working directory: one mount
+        assert _own_mounts(c) == [str(tmp_path)]
     assert containers["cpu1"].attrs["HostConfig"]["CpuQuota"] == 50_000
     assert containers["cpu0"].attrs["HostConfig"]["CpuQuota"] == 0
 
@@ -151,7 +149,10 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert env["KAITIAN_GROUP"] == f"cpu{rank}"
         assert "/host-only-marker" not in env["PATH"]  # the image's PATH, not the host's
         assert info["pid"] == info["pgid"]  # its own process group
-        assert info["uid"] == os.getuid() and info["cwd"] == str(tmp_path)
+        assert info["uid"] == WORKER_UID != 0 and info["cwd"] == str(tmp_path)  # not root
+        assert env["HOME"] == "/tmp"
+        # the agent's Python environment (a venv's or conda env's, not its base interpreter)
+        assert info["prefix"] == sys.prefix and info["executable"] == os.path.abspath(sys.executable)
         assert info["affinity"] == [rank]
         assert info["hostname_ns"] == own_ns["net"] and info["ipc_ns"] == own_ns["ipc"]
         assert info["mnt_ns"] != own_ns["mnt"]  # really inside a container
@@ -176,6 +177,48 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
 
     rt.shutdown()
     assert kaitian_containers(run_id=rt.ctx.run_id) == []
+
+
+def _own_mounts(container):
+    """Bind mounts other than the image's (read-only host Python) ones."""
+    return sorted(m["Destination"] for m in inspect(container)["Mounts"] if m["RW"])
+
+
+def _assert_hardened(container, image_mounts, user=f"{WORKER_UID}:{WORKER_UID}"):
+    """What `docker inspect` must show for every container kaitian creates."""
+    attrs = inspect(container)
+    hc, config = attrs["HostConfig"], attrs["Config"]
+    assert hc["CapDrop"] == ["ALL"] and not hc["CapAdd"]
+    assert "no-new-privileges" in hc["SecurityOpt"]  # (the engine adds label=disable for host IPC)
+    assert hc["ReadonlyRootfs"] is True and "/tmp" in hc["Tmpfs"]
+    assert config["User"] == user
+    # tied to the agent: stdin held by the agent's attach, removed when it stops
+    assert hc["AutoRemove"] is True and config["OpenStdin"] is True and config["StdinOnce"] is True
+    declared = {spec.split(":")[1] for spec in image_mounts.split(",") if spec}
+    read_only = {m["Destination"] for m in attrs["Mounts"] if not m["RW"]}
+    assert read_only == declared  # exactly the image's host paths, all read-only
+    for m in attrs["Mounts"]:
+        assert m["Destination"] not in ("/", "/tmp", "/root", "/home", os.path.expanduser("~")), m
+
+
+def test_mounts_are_exactly_the_run_directories_never_their_parents(run, tmp_path, tmp_path_factory):
+    """A run directory and a log directory outside the working directory are
+    mounted themselves: --log-dir /tmp/x mounts /tmp/x, not the host's /tmp."""
+    rt = run()
+    run_dir = tmp_path_factory.mktemp("elsewhere-run")
+    log_dir = own(str(tmp_path_factory.mktemp("elsewhere-logs")))
+    rt.ctx = RunContext(run_id=rt.ctx.run_id, run_dir=str(run_dir), log_dir=log_dir, cwd=rt.ctx.cwd,
+                        options=rt.ctx.options)
+    pc, _ = _start(rt, tmp_path, _two_groups(), "fail", log_dir=log_dir)
+    try:
+        result = pc.wait(120, period=0.1)
+    finally:
+        pc.close()
+    # the worker (not root) wrote its error file into the mounted log directory
+    assert result.failures[1].error_file.startswith(log_dir)
+    assert "deliberate failure" in result.failures[1].message["message"]
+    for c in kaitian_containers(run_id=rt.ctx.run_id):
+        assert _own_mounts(c) == sorted([str(tmp_path), str(run_dir), log_dir])
 
 
 def test_console_lines_carry_rank_prefixes(run, tmp_path, capfd):
@@ -276,43 +319,91 @@ _KILLED_AGENT = textwrap.dedent("""
     import test_docker_runtime as t
     from kaitian.launcher.runtimes.base import RunContext
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
+    from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
     import pathlib
+    from kaitian.launcher.rundir import RunDir
     tmp = pathlib.Path({tmp!r})
-    ctx = RunContext(run_id={run_id!r}, run_dir=str(tmp / "run"), log_dir=None, cwd=str(tmp),
-                     options={{"images": {{"cpu": {image!r}}}}})
-    os.makedirs(ctx.run_dir, exist_ok=True)
-    pc, out = t._start(DockerRuntime(ctx), tmp, t._two_groups(), "sleep")
-    print("ready", flush=True)
+    run_dir = RunDir({run_id!r})  # a real one: the next start collects it
+    ctx = RunContext(run_id={run_id!r}, run_dir=run_dir.path, log_dir=None, cwd=str(tmp),
+                     options=RuntimeOptions(docker=DockerOptions(images={{"cpu": {image!r}}})))
+    pc, out = t._start(DockerRuntime(ctx), tmp, t._two_groups(), "segment")
+    print(run_dir.path, flush=True)
     time.sleep(300)
 """)
 
 
-def test_containers_of_a_killed_agent_are_collected_at_next_start(tmp_path, image):
+def _gone_within(seconds, check):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def test_containers_die_with_their_agent_killed_by_sigkill(tmp_path, image):
+    """No orphans: the containers hold the agent's stdin attach, so a SIGKILL'd
+    agent takes them and their workers down within seconds; the next start
+    finds no container to collect, and removes the run directory and the
+    shared memory the workers left in the host's IPC namespace."""
+    from kaitian.launcher import rundir
+
     run_id = f"t{uuid.uuid4().hex[:8]}"
-    code = _KILLED_AGENT.format(repo=REPO, tests=TESTS, here=os.path.dirname(os.path.abspath(__file__)), tmp=str(tmp_path), run_id=run_id, image=image)
+    own(str(tmp_path))
+    code = _KILLED_AGENT.format(repo=REPO, tests=TESTS, here=os.path.dirname(os.path.abspath(__file__)),
+                                tmp=str(tmp_path), run_id=run_id, image=image)
     agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        assert agent.stdout.readline().strip() == "ready"
+        run_dir = agent.stdout.readline().strip()
+        assert os.path.isdir(run_dir), run_dir
         for rank in (0, 1):
-            _wait_file(tmp_path / "out" / f"sleep.{rank}.json")
+            _wait_file(tmp_path / "out" / f"segment.{rank}.json")
+        segments = [_read(tmp_path / "out", "segment", rank)["name"] for rank in (0, 1)]
         left = kaitian_containers(run_id=run_id)
         assert len(left) == 2 and {c.labels["org.kaitian.agent-pid"] for c in left} == {str(agent.pid)}
         # A live agent's containers are not stale.
         assert not set(DockerRuntime.collect_stale()) & {c.name for c in left}
         agent.kill()
         agent.wait()
-        removed = DockerRuntime.collect_stale()
-        assert sorted(removed) == sorted(c.name for c in left)
-        assert kaitian_containers(run_id=run_id) == []
-        # the workers died with their containers
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        assert WORKER not in ps
+        assert _gone_within(5, lambda: kaitian_containers(run_id=run_id) == []), kaitian_containers(run_id=run_id)
+        assert _gone_within(5, lambda: WORKER not in subprocess.run(
+            ["ps", "-eo", "args"], capture_output=True, text=True).stdout)
+        assert DockerRuntime.collect_stale() == []  # no container left for the next start
+        # The segments (host IPC) outlive the container; the next start removes
+        # them with the run directory. (Another kaitianrun starting on this host
+        # meanwhile may be that next start: check the outcome, not who did it.)
+        rundir.collect_stale()
+        assert not os.path.exists(run_dir)
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in segments)
     finally:
         if agent.poll() is None:
             agent.kill()
             agent.wait()
         for c in kaitian_containers(run_id=run_id):
             c.remove(force=True)
+
+
+def test_untied_containers_of_a_dead_agent_are_collected_at_next_start(image):
+    """An agent killed between creating a container and tying it leaves it
+    behind; the next start removes it (and leaves live agents' and kept ones)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    labels = {"org.kaitian.managed": "1", "org.kaitian.keep": "0", "org.kaitian.run-id": "stale-test",
+              "org.kaitian.agent-host": socket.gethostname(), "org.kaitian.agent-pid": str(dead.pid),
+              "org.kaitian.agent-start": "1"}
+    stale = engine().containers.create(image, ["sleep", "infinity"], labels=labels, detach=True)
+    kept = engine().containers.create(image, ["sleep", "infinity"], detach=True,
+                                      labels={**labels, "org.kaitian.keep": "1", "org.kaitian.run-id": "kept-test"})
+    try:
+        assert stale.name in DockerRuntime.collect_stale()
+        assert kaitian_containers(run_id="stale-test") == []
+        assert kaitian_containers(run_id="kept-test")
+    finally:
+        for c in (stale, kept):
+            try:
+                c.remove(force=True)
+            except Exception:  # noqa: BLE001 (removed by the test already)
+                pass
 
 
 def test_missing_image_is_one_clear_line_and_creates_nothing(run, tmp_path):
@@ -343,14 +434,14 @@ def test_cuda_group_requests_exactly_its_gpu_from_the_engine(run, tmp_path):
     pc.close()
     (container,) = kaitian_containers(run_id=rt.ctx.run_id)
     (request,) = container.attrs["HostConfig"]["DeviceRequests"]
-    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == ["0"]
+    assert request["Driver"] == "nvidia" and request["DeviceIDs"] == ["0"]  # no UUID known: by index
 
 
 def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):
     import docker
 
     client = docker.DockerClient(base_url=f"unix://{tmp_path}/no-such-docker.sock", version="1.41")
-    ctx = RunContext(run_id="x", run_dir=str(tmp_path), log_dir=None, cwd=str(tmp_path), options={})
+    ctx = RunContext(run_id="x", run_dir=str(tmp_path), log_dir=None, cwd=str(tmp_path))
     with pytest.raises(DockerUnavailableError, match="cannot reach the Docker daemon") as err:
         _start(DockerRuntime(ctx, client=client), tmp_path, _two_groups(), "env")
     assert "\n" not in str(err.value)
@@ -367,7 +458,7 @@ def test_unreachable_daemon_and_socket_permission_are_clear(tmp_path):
 
 
 def test_images_build_streams_progress_and_fails_clearly_without_a_registry(capsys, image):
-    from kaitian.launcher.runtimes import images
+    from kaitian.commands import images
 
     tag = "kaitian-test:cpu-host-progress"
     try:
@@ -386,3 +477,21 @@ def test_images_build_streams_progress_and_fails_clearly_without_a_registry(caps
     assert len(err) == 1 and "base image cannot be pulled" in err[0]
     assert images.main(["gpu"]) == 2
     assert "unknown image 'gpu'" in capsys.readouterr().err
+
+
+def test_root_only_when_asked(run, tmp_path):
+    """--container-user root: workers are root, with DAC_OVERRIDE as their only
+    capability; everything else about the container stays hardened."""
+    rt = run(user="0:0")
+    pc, out = _start(rt, tmp_path, {0: _two_groups()[0]}, "env")
+    try:
+        assert not pc.wait(120, period=0.1).is_failed()
+    finally:
+        pc.close()
+    assert _read(out, "env", 0)["uid"] == 0
+    (c,) = kaitian_containers(run_id=rt.ctx.run_id)
+    attrs = inspect(c)
+    assert attrs["Config"]["User"] == "0:0"
+    assert attrs["HostConfig"]["CapDrop"] == ["ALL"]
+    assert [cap.replace("CAP_", "") for cap in attrs["HostConfig"]["CapAdd"]] == ["DAC_OVERRIDE"]
+    assert "no-new-privileges" in attrs["HostConfig"]["SecurityOpt"] and attrs["HostConfig"]["ReadonlyRootfs"]

@@ -1,22 +1,33 @@
-"""Shared by the docker tests: a running engine (or a clear failure) and the
-locally built CPU test image. CI starts the engine through scripts/docker-engine.sh
-(`make test`); a missing engine fails these tests, it never skips them."""
+"""Shared by the docker tests: a running engine (or a clear failure), the locally
+built CPU test image, and a working directory owned by the workers' user.
+
+CI starts the engine through scripts/docker-engine.sh (`make test`); a missing
+engine fails these tests, it never skips them.
+
+Workers run as a non-root user. A root agent (CI) runs them as the owner of
+the working directory, so the tests hand their directories to ``WORKER_UID``
+(``own``); a non-root agent runs them as itself, and ``own`` does nothing.
+"""
 
 from __future__ import annotations
 
 import functools
 import io
+import os
 
 import pytest
 
-__all__ = ["TEST_IMAGE", "engine", "test_image", "kaitian_containers"]
+__all__ = ["TEST_IMAGE", "WORKER_UID", "engine", "test_image", "kaitian_containers", "own", "inspect"]
 
 TEST_IMAGE = "kaitian-test:cpu-host"
+# The unprivileged owner of the tests' working directories when they run as root.
+WORKER_UID = 4321 if os.getuid() == 0 else os.getuid()
 
 
 @functools.lru_cache(maxsize=None)
 def _client():
-    from kaitian.launcher.runtimes.docker.runtime import DockerUnavailableError, connect
+    from kaitian.errors import DockerUnavailableError
+    from kaitian.launcher.runtimes.docker.client import connect
 
     try:
         return connect()
@@ -50,7 +61,23 @@ def test_image() -> str:
 test_image.__test__ = False  # not a test, despite its name
 
 
+def own(path):
+    """Makes ``path`` (a directory, created if missing) the workers': owned by
+    ``WORKER_UID`` when the tests run as root. Returns ``path``."""
+    os.makedirs(path, exist_ok=True)
+    if os.getuid() == 0:
+        os.chown(path, WORKER_UID, WORKER_UID)
+    return path
+
+
 def kaitian_containers(**labels):
     """kaitian-managed containers (all states) carrying ``labels`` (short names)."""
-    filters = ["org.kaitian.managed=1"] + [f"org.kaitian.{k.replace('_', '-')}={v}" for k, v in labels.items()]
-    return engine().containers.list(all=True, filters={"label": filters})
+    from kaitian.launcher.runtimes.docker.client import list_containers
+
+    wanted = {"org.kaitian.managed": "1", **{f"org.kaitian.{k.replace('_', '-')}": str(v) for k, v in labels.items()}}
+    return list_containers(engine(), wanted)
+
+
+def inspect(container) -> dict:
+    """``docker inspect`` of a container (fresh)."""
+    return engine().api.inspect_container(container.id)

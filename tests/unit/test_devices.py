@@ -323,7 +323,9 @@ def test_rank_device_reads_the_launchers_variables():
 def test_planned_container_and_exec_give_the_worker_its_gpu():
     """USE_CUDA=1,3 in a container: GPUs by UUID, the exec's env lets worker 3 land on cuda:1."""
     from kaitian.launcher.runtimes.base import WorkerLaunch
-    from kaitian.launcher.runtimes.docker.plan import AgentIdentity, DockerOptions, plan_container, plan_exec
+    from kaitian.launcher.runtimes.docker.labels import AgentIdentity
+    from kaitian.launcher.runtimes.docker.options import DockerOptions
+    from kaitian.launcher.runtimes.docker.plan import plan_container, plan_exec
 
     gpus = [WorkerDevice("cuda", 1, uuid=H100_SXM[1][5]), WorkerDevice("cuda", 3, uuid=H100_SXM[3][5])]
     workers = [WorkerLaunch(i, i, d) for i, d in enumerate(gpus)]
@@ -332,7 +334,7 @@ def test_planned_container_and_exec_give_the_worker_its_gpu():
     assert plan.create_kwargs()["device_requests"][0]["device_ids"] == [H100_SXM[1][5], H100_SXM[3][5]]
     host_env = {"CUDA_VISIBLE_DEVICES": "1,2,3", **gpus[1].to_env()}  # the agent's env for worker 1
     ex = plan_exec(worker=workers[1], container=plan, entrypoint="python3", args=["t.py"], env=host_env,
-                   cwd="/work", pid_file="/run/k/1.pid", user="1000:1000")
+                   cwd="/work", pid_file="/run/k/1.pid")
     assert ex.env["CUDA_VISIBLE_DEVICES"] == f"{H100_SXM[1][5]},{H100_SXM[3][5]}"
     assert ex.env["KAITIAN_DEVICE_INDEX"] == "3" and ex.env["KAITIAN_VISIBLE_INDICES"] == "1,3"
     assert torch_ordinal(WorkerDevice.from_env(ex.env), "CUDA_VISIBLE_DEVICES", ex.env) == 1

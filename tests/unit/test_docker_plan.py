@@ -11,30 +11,28 @@ import time
 
 import pytest
 
+from kaitian.errors import DockerOptionError
 from kaitian.devices.device import WorkerDevice
-from kaitian.errors import DeviceSelectionError
 from kaitian.launcher.runtimes.base import WorkerLaunch
-from kaitian.launcher.runtimes.docker.plan import (
+from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_PID,
     LABEL_GROUP,
     LABEL_KEEP,
     LABEL_RUN_ID,
     LABEL_SPEC,
     LABEL_VENDOR,
-    WRAPPER_SCRIPT,
     AgentIdentity,
-    DockerOptionError,
-    DockerOptions,
-    Mount,
+)
+from kaitian.launcher.runtimes.docker.options import DockerOptions, Mount, parse_volume
+from kaitian.launcher.runtimes.docker.plan import (
+    NOBODY,
+    choose_user,
     exit_code_from_docker,
     image_for,
-    parse_options,
-    parse_volume,
     plan_container,
     plan_exec,
-    stop_command,
-    worker_env,
 )
+from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT, stop_command
 
 AGENT = AgentIdentity(host="node0", pid=4242, start="12345")
 
@@ -65,16 +63,38 @@ def test_parse_volume_forms():
             parse_volume(bad)
 
 
-def test_parse_options_checks_values():
-    opts = parse_options({"images": {"cuda": "r/t:1"}, "keep_containers": True,
-                          "volumes": ["/d:/d:ro"], "shm_size": "512m"})
+def test_options_from_flags_checks_values():
+    opts = DockerOptions.from_flags(images=["cuda=r/t:1"], keep_containers=True,
+                                    volumes=["/d:/d:ro"], shm_size="512m", container_user="1000")
     assert opts.images == {"cuda": "r/t:1"} and opts.keep_containers
     assert opts.volumes == (Mount("/d", "/d", True),) and opts.shm_size == "512m"
-    assert parse_options({}).shm_size == "2g"
+    assert opts.user == "1000:1000"
+    assert DockerOptions.from_flags(container_user="root").user == "0:0"
+    assert DockerOptions.from_flags(container_user="5:6").user == "5:6"
+    assert DockerOptions.from_flags().shm_size == "2g" and DockerOptions().user is None
     with pytest.raises(DockerOptionError, match="--shm-size"):
-        parse_options({"shm_size": "lots"})
-    with pytest.raises(DockerOptionError, match="--image"):
-        parse_options({"images": {"cpu": ""}})
+        DockerOptions.from_flags(shm_size="lots")
+    with pytest.raises(DockerOptionError, match="--image 'cpu='"):
+        DockerOptions.from_flags(images=["cpu="])
+    with pytest.raises(DockerOptionError, match="--image 'kaitian:cuda'"):
+        DockerOptions.from_flags(images=["kaitian:cuda"])
+    with pytest.raises(DockerOptionError, match="--container-user"):
+        DockerOptions.from_flags(container_user="alice")
+
+
+def test_runtime_options_are_typed_and_built_once_from_the_command_line():
+    from kaitian.launcher.cli import build_parser
+    from kaitian.launcher.runtimes.options import RuntimeOptions, options_from_args
+
+    args = build_parser().parse_args(["--runtime", "docker", "--image", "cpu=x:1", "-v", "/d:/e:ro",
+                                      "--container-user", "root", "--keep-containers", "t.py"])
+    config = type("Config", (), {"duplicate_stdout_filters": ["a"], "duplicate_stderr_filters": None,
+                                 "numa_options": None})()
+    opts = options_from_args(args, config)
+    assert isinstance(opts, RuntimeOptions) and opts.duplicate_stdout_filters == ["a"]
+    assert opts.docker == DockerOptions(images={"cpu": "x:1"}, keep_containers=True,
+                                        volumes=(Mount("/d", "/e", True),), user="0:0")
+    assert opts.local.numa_options is None
 
 
 def test_image_for_prefers_group_then_vendor_then_table():
@@ -97,7 +117,8 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     assert kw["cpu_quota"] == 150_000 and kw["cpu_period"] == 100_000
     assert kw["network_mode"] == "host" and kw["ipc_mode"] == "host"
     assert kw["privileged"] is False and kw["init"] is True
-    assert kw["command"] == ["sleep", "infinity"]
+    assert kw["command"] == list(MAIN_TIED)  # lives as long as the agent's stdin attach
+    assert kw["stdin_open"] is True and kw["detach"] is False and kw["auto_remove"] is True
     assert "device_requests" not in kw and kw["devices"] == []
     assert kw["cpu_shares"] == 2048  # two workers weigh as two local processes
     assert "cgroup_parent" not in kw
@@ -107,38 +128,16 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     assert labels[LABEL_RUN_ID] == "run-1" and labels[LABEL_VENDOR] == "cpu"
     assert labels[LABEL_GROUP] == "cpu0" and labels[LABEL_AGENT_PID] == "4242"
     assert labels[LABEL_KEEP] == "0"
-    targets = {m["target"]: m for m in kw["mounts"]}
+    targets = {m["Target"]: m for m in kw["mounts"]}
     # cwd, run dir and log dirs at identical paths (error files land on the host)
     for path in ("/home/u/proj", "/tmp/kaitian-0", "/logs"):
-        assert targets[path]["source"] == path and not targets[path]["read_only"]
+        assert targets[path]["Source"] == path and targets[path]["ReadOnly"] is False
 
 
 def test_unpinned_workers_leave_container_unpinned():
     plan = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu"), (), None)])
     kw = plan.create_kwargs()
     assert "cpuset_cpus" not in kw and "cpu_quota" not in kw
-
-
-def test_cuda_group_gets_exactly_its_gpus_and_renumbered_visibility():
-    workers = [WorkerLaunch(0, 0, WorkerDevice("cuda", 3, "cuda")), WorkerLaunch(1, 1, WorkerDevice("cuda", 1, "cuda"))]
-    plan = _plan(workers, image="kaitian:cuda")
-    kw = plan.create_kwargs()
-    assert kw["device_requests"] == [{"driver": "nvidia", "device_ids": ["1", "3"], "capabilities": [["gpu"]]}]
-    assert plan.index_map == {1: 0, 3: 1}
-    env = worker_env({"CUDA_VISIBLE_DEVICES": "3", "PATH": "/host/bin", "RANK": "0"},
-                     vendor="cuda", index_map=plan.index_map, mounted=[])
-    assert env == {"CUDA_VISIBLE_DEVICES": "1", "RANK": "0"}
-
-
-def test_mlu_group_gets_control_and_selected_device_nodes():
-    present = ["/dev/cambricon_ctl", "/dev/cambricon_dev0", "/dev/cambricon_dev1",
-               "/dev/cambricon_ipcm0", "/dev/cambricon_ipcm1"]
-    plan = _plan([WorkerLaunch(0, 0, WorkerDevice("mlu", 1, "mlu"))], image="kaitian:mlu", device_nodes=present)
-    assert plan.devices == ("/dev/cambricon_ctl:/dev/cambricon_ctl:rwm",
-                            "/dev/cambricon_dev1:/dev/cambricon_dev1:rwm",
-                            "/dev/cambricon_ipcm1:/dev/cambricon_ipcm1:rwm")
-    with pytest.raises(DeviceSelectionError, match="cambricon_dev2"):
-        _plan([WorkerLaunch(0, 0, WorkerDevice("mlu", 2, "mlu"))], device_nodes=present)
 
 
 def test_group_must_be_one_vendor_and_one_quota():
@@ -164,25 +163,29 @@ def test_keep_containers_are_named_by_shape_not_run():
     w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
     kept = _plan(w, options=DockerOptions(keep_containers=True))
     assert kept.labels[LABEL_KEEP] == "1"
+    kw = kept.create_kwargs()
+    assert kw["command"] == list(MAIN_KEPT) and not kw["auto_remove"] and not kw["stdin_open"]
     assert kept.name == f"kaitian-cpu0-{kept.spec[:12]}"
     assert _plan(w).name == "kaitian-run-1-cpu0-4242"
 
 
 def test_plan_exec_maps_host_python_and_keeps_job_env():
     w = WorkerLaunch(1, 5, WorkerDevice("cpu", 1, "cpu1"), (2, 3), None)
-    container = _plan([w])
+    container = _plan([w], user="1000:1000")
     env = {"PATH": "/h", "LD_LIBRARY_PATH": "/h/lib", "RANK": "5", "KAITIAN_GROUP": "cpu1",
-           "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500", "PYENV_VERSION": "3.11"}
+           "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500", "PYENV_VERSION": "3.11", "HOME": "/root",
+           "VIRTUAL_ENV": "/venv"}
     ex = plan_exec(worker=w, container=container, entrypoint="/host/bin/python3", args=("-u", "train.py", 3),
-                   env=env, cwd="/home/u/proj", pid_file="/tmp/kaitian-0/1.pid", user="1000:1000",
+                   env=env, cwd="/home/u/proj", pid_file="/tmp/kaitian-0/1.pid",
                    host_python=["/host/bin/python3"], image_python="python3")
     assert ex.cmd[:3] == ("sh", "-c", WRAPPER_SCRIPT)
     assert ex.cmd[3:] == ("/tmp/kaitian-0/1.pid", "2-3", "python3", "-u", "train.py", "3")
-    assert ex.env == {"RANK": "5", "KAITIAN_GROUP": "cpu1", "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500"}
+    assert ex.env == {"RANK": "5", "KAITIAN_GROUP": "cpu1", "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500",
+                      "HOME": "/tmp"}  # HOME: the container's private tmpfs
     assert ex.user == "1000:1000" and ex.workdir == "/home/u/proj"
     assert "RANK=5" in ex.env_list()
     other = plan_exec(worker=w, container=container, entrypoint="/opt/bin/tool", args=(), env={"TMPDIR": "/elsewhere"},
-                      cwd="/", pid_file="/p", user="0:0", host_python=["/host/bin/python3"])
+                      cwd="/", pid_file="/p", host_python=["/host/bin/python3"])
     assert other.cmd[5] == "/opt/bin/tool" and "TMPDIR" not in other.env
 
 
@@ -249,6 +252,43 @@ def test_directories_inside_mounted_ones_are_not_mounted_again():
     assert targets == ["/home/u/proj", "/tmp/kaitian-0", "/var/log/job"]
     # so a later run (new run directory, new log directory) has the same shape
     assert _plan(w, log_dirs=("/tmp/kaitian-0/run.456/logs", "/var/log/job")).spec == plan.spec
+
+
+def test_mounts_are_exactly_the_run_directories_never_a_parent():
+    """--log-dir /tmp/x mounts /tmp/x (not the host's /tmp); nothing else of
+    the host is visible but the image's read-only mounts and user volumes."""
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
+    plan = plan_container(group="cpu0", workers=w, image="kaitian:cpu", run_id="r", run_dir="/tmp/kaitian-0/r.1.abc",
+                          cwd="/home/u/proj", log_dirs=("/tmp/x",), options=DockerOptions(), agent=AGENT,
+                          image_mounts=(Mount("/usr", "/usr", True),))
+    mounts = {m.target: m for m in plan.mounts}
+    assert sorted(mounts) == ["/home/u/proj", "/tmp/kaitian-0/r.1.abc", "/tmp/x", "/usr"]
+    assert all(m.source == m.target for m in mounts.values())
+    assert mounts["/usr"].read_only and not mounts["/tmp/x"].read_only
+    assert mounts["/usr"].to_docker() == {"Type": "bind", "Source": "/usr", "Target": "/usr", "ReadOnly": True}
+
+
+def test_the_root_directory_is_never_mounted():
+    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
+    with pytest.raises(DockerOptionError, match="not /"):
+        plan_container(group="cpu0", workers=w, image="i", run_id="r", run_dir="/tmp/kaitian-0/r", cwd="/",
+                       log_dirs=(), options=DockerOptions(), agent=AGENT)
+
+
+@pytest.mark.parametrize("user,caps", [("1000:1000", []), (NOBODY, []), ("0:0", ["DAC_OVERRIDE"])])
+def test_containers_are_hardened(user, caps):
+    kw = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)], user=user).create_kwargs()
+    assert kw["cap_drop"] == ["ALL"] and kw["cap_add"] == caps
+    assert kw["security_opt"] == ["no-new-privileges"]
+    assert kw["read_only"] is True and list(kw["tmpfs"]) == ["/tmp"]
+    assert kw["user"] == user and kw["privileged"] is False
+
+
+def test_worker_user_is_non_root_unless_asked():
+    assert choose_user(None, 1000, 1001, (0, 0)) == "1000:1001"  # a user's agent: that user
+    assert choose_user(None, 0, 0, (1000, 100)) == "1000:100"  # sudo in a user's project: its owner
+    assert choose_user(None, 0, 0, (0, 0)) == NOBODY  # root everywhere: still not root
+    assert choose_user("0:0", 1000, 1000, (1000, 1000)) == "0:0"  # root only when asked
 
 
 def test_run_path_entrypoint_becomes_python_in_the_container(tmp_path):

@@ -28,10 +28,12 @@ from kaitian.devices.device import WorkerDevice  # noqa: E402
 from kaitian.launcher.placement import Slot, lay_out  # noqa: E402
 from kaitian.launcher.logs import build_logs_specs, line_prefixes  # noqa: E402
 from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers  # noqa: E402
+from kaitian.errors import VersionMismatchError  # noqa: E402
 from kaitian.launcher.rendezvous import (  # noqa: E402
     KaitianRendezvousHandler,
+    NodeInventory,
+    agree_on_placement,
     create_handler,
-    exchange_inventory,
 )
 
 HOST = [
@@ -172,29 +174,117 @@ def test_logs_specs_tee_what_is_not_redirected(tmp_path):
 # --- rendezvous -------------------------------------------------------------------------------
 
 
-def test_exchange_inventory_between_nodes():
+class _CountingStore:
+    """A store that counts the requests each node makes (to check O(nodes) traffic)."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _agree(store, inventories, serve=None):
+    """Runs one round with one thread per node; returns (plans or errors by rank, requests by rank)."""
+    results, calls = {}, {}
+
+    def node(rank):
+        mine = _CountingStore(store)
+        try:
+            results[rank] = agree_on_placement(mine, rank, len(inventories), inventories[rank],
+                                               serve if rank == 0 else None)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            results[rank] = e
+        calls[rank] = mine.calls
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(len(inventories))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    return results, calls
+
+
+def _inv(slots, version="1.0", protocol=1, host="h"):
+    return NodeInventory(tuple(slots), host, version, protocol)
+
+
+def test_placement_decided_once_and_published():
+    """Node 0 lays out and publishes; each node makes a constant number of store requests."""
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=10))
-    slots = {0: [Slot(WorkerDevice("cpu", 0, "cpu0"), "r")], 1: [Slot(WorkerDevice("cuda", 1, "cuda"), "r"), Slot(WorkerDevice("cpu", 0, "cpu"), "r")]}
+    nodes = [_inv([Slot(WorkerDevice("cpu", 0, "cpu0"), "r")]),
+             _inv([Slot(WorkerDevice("cuda", 1, "cuda"), "r"), Slot(WorkerDevice("cpu", 0, "cpu"), "r")]),
+             _inv([Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")])]
+    results, calls = _agree(store, nodes, serve=lambda: ("10.0.0.1", 4242))
+    expected = lay_out([n.slots for n in nodes])
+    for rank, plan in results.items():
+        assert [p for p in plan.placements] == [expected[(rank, lr)] for lr in range(len(nodes[rank].slots))]
+        assert plan.worker_store == ("10.0.0.1", 4242) and plan.epoch == 1
+    assert max(calls.values()) <= 4, calls  # add, set, (multi_get, multi_set on node 0), get
+    # a second round on the same store never serves the first round's inventory
+    nodes[0] = _inv([Slot(WorkerDevice("cuda", 0, "cuda"), "r")])
+    results, _ = _agree(store, nodes)
+    assert results[0].placements[0].global_rank == 0 and results[1].placements[0].global_rank == 1
+    assert results[0].epoch == 2 and results[0].worker_store is None
+
+
+def test_version_mismatch_fails_every_node_in_one_line():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    served = []
+    nodes = [_inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], host="a"), _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], host="b"),
+             _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], version="0.9", host="c")]
+    results, _ = _agree(store, nodes, serve=lambda: served.append(1))
+    for rank in range(3):
+        assert isinstance(results[rank], VersionMismatchError), results[rank]
+        assert str(results[rank]) == str(results[0]) and "\n" not in str(results[0])
+    assert "node 0 (a) has kaitian 1.0" in str(results[0]) and "node 2 (c) has kaitian 0.9" in str(results[0])
+    assert not served  # nothing is started for a round that cannot run
+    protocol = [_inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")]), _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], protocol=2)]
+    results, _ = _agree(store, protocol)
+    assert all("bridge protocol 2" in str(results[r]) for r in (0, 1))
+
+
+class _Round:
+    """A stand-in inner rendezvous: returns a fixed rank and (possibly stale) store address."""
+
+    use_agent_store = True
+
+    def __init__(self, store, rank, world, addr, port):
+        self._info = te.RendezvousInfo(store, rank, world, te.RendezvousStoreInfo(addr, port))
+
+    def next_rendezvous(self):
+        return self._info
+
+
+def test_plain_torchrun_nodes_ordered_by_vendor_and_store_address_fresh():
+    """torchrun --rdzv-backend kaitian: the CUDA node gets rank 0; every node gets node 0's address."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    vendors = {0: "cpu", 1: "cuda", 2: "mlu"}
+    stale = {0: ("h0", 1234), 1: ("dead-host", 999), 2: ("dead-host", 999)}  # torch's cache on nodes 1, 2
     results = {}
 
     def node(rank):
-        results[rank] = exchange_inventory(store, rank, 2, slots[rank])[1]
+        handler = KaitianRendezvousHandler(_Round(store, rank, 3, *stale[rank]), node_vendor=lambda: vendors[rank])
+        results[rank] = handler.next_rendezvous()
 
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(15)
-    assert results[0] == results[1] == [slots[0], slots[1]]
-    # a second round on the same store never returns the first round's inventory
-    slots[0] = [Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-    assert results[0][0] == [Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
+    assert {r: results[r].rank for r in range(3)} == {0: 2, 1: 0, 2: 1}  # cuda, mlu, cpu
+    for r in range(3):
+        info = results[r].bootstrap_store_info
+        assert (info.master_addr, info.master_port) == ("h0", 1234)
 
 
 def test_entry_point_matches_torch_loader():
@@ -216,11 +306,10 @@ def test_kaitian_rendezvous_single_node():
     )
     handler = te.get_rendezvous_handler(params)
     assert isinstance(handler, KaitianRendezvousHandler) and handler.get_backend() == "kaitian"
-    handler.local_slots = [Slot(WorkerDevice("cpu", 0, "cpu0"), "default"), Slot(WorkerDevice("cpu", 1, "cpu1"), "default")]
     try:
         info = handler.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
-        assert handler.inventories == [handler.local_slots]
+        assert handler.last_info is info
         assert handler.get_run_id() == "unit" and handler.use_agent_store
     finally:
         handler.shutdown()
@@ -259,3 +348,28 @@ def test_quota_mode_without_cgroups(tmp_path, monkeypatch):
     assert cpu_limits.quota_mode("auto") == "signal"
     with pytest.raises(cpu_limits.QuotaUnavailableError, match="not writable"):
         cpu_limits.quota_mode("cgroup")
+
+
+# --- PET_* forms of kaitian's flags ------------------------------------------------------------
+
+_PET_VALUES = {"nproc_auto": ("1", True), "devices": ("cuda:0,cpu", "cuda:0,cpu"), "cpu_slots": ("3", 3),
+               "cpu_groups": ("2", 2), "cpu_quota": ("0.5,1", "0.5,1"), "runtime": ("docker", "docker"),
+               "image": ("cuda=a:1,mlu=b:2", ["cuda=a:1", "mlu=b:2"]), "keep_containers": ("1", True),
+               "volume": ("/a:/b,/c:/d:ro", ["/a:/b", "/c:/d:ro"]), "shm_size": ("8g", "8g"),
+               "monitor": ("/tmp/mon", "/tmp/mon")}
+
+
+def test_every_kaitian_flag_has_a_pet_form(monkeypatch):
+    """As torchrun's flags: PET_<FLAG> sets each kaitian flag; the command line wins over it."""
+    from kaitian.launcher.cli import build_parser
+
+    group = next(g for g in build_parser()._action_groups if g.title == "kaitian")
+    dests = {a.dest for a in group._group_actions}
+    assert dests == set(_PET_VALUES), "a kaitian flag without a PET_ test value"
+    for dest, (raw, _) in _PET_VALUES.items():
+        monkeypatch.setenv(f"PET_{dest.upper()}", raw)
+    args = build_parser().parse_args(["train.py"])
+    for dest, (_, want) in _PET_VALUES.items():
+        assert getattr(args, dest) == want, dest
+    args = build_parser().parse_args(["--cpu-groups", "1", "--image", "cpu=c", "train.py"])
+    assert args.cpu_groups == 1 and args.image == ["cpu=c"]  # flags replace the variables

@@ -25,6 +25,8 @@ if mode == "env":
         "pid": os.getpid(),
         "pgid": os.getpgid(0),
         "uid": os.getuid(),
+        "prefix": sys.prefix,
+        "executable": sys.executable,
         "affinity": sorted(os.sched_getaffinity(0)),
         "cwd": os.getcwd(),
         "hostname_ns": os.readlink("/proc/self/ns/net"),

@@ -6,6 +6,7 @@ container (cgroup) it ran in.
 DOCKER_E2E_MODE=restart: on the first attempt each rank records its pid and
 waits (the test kills one inside its container); on a restart it succeeds.
 DOCKER_E2E_MODE=wait: records its pid and waits to be stopped.
+DOCKER_E2E_MODE=crash: prints a line; rank 1 exits with 3 (ok: every rank exits 0).
 """
 
 import json
@@ -74,7 +75,10 @@ if mode == "train":
         torch.save(model.state_dict(), os.path.join(out, "params.pt"))
     dist.barrier()
     dist.destroy_process_group()
+elif mode == "ok":
+    print(f"ok-log from rank {rank}", flush=True)
 elif mode == "crash":
+    print(f"crash-log from rank {rank}", flush=True)
     raise SystemExit(3 if rank == 1 else 0)
 elif mode == "restart" and attempt > 0:
     pass  # the restarted group succeeds

@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib
 
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
+from kaitian.launcher.runtimes.options import LocalOptions, RuntimeOptions, options_from_args
 
-__all__ = ["RUNTIMES", "get_runtime", "Runtime", "RunContext", "WorkerLaunch"]
+__all__ = [
+    "RUNTIMES", "get_runtime", "runtime_class", "Runtime", "RunContext", "WorkerLaunch",
+    "RuntimeOptions", "LocalOptions", "options_from_args",
+]
 
 # name -> "module:class", imported on use so the docker SDK loads only when asked for.
 RUNTIMES = {

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
-
 from kaitian.devices.device import WorkerDevice
+from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = ["WorkerLaunch", "RunContext", "Runtime"]
 
@@ -49,15 +49,14 @@ class RunContext:
         run_dir: this node's run directory (``KAITIAN_RUN_DIR``), owner-only.
         log_dir: torchrun's ``--log-dir`` base, or ``None``.
         cwd: the user's working directory.
-        options: runtime-specific options from the command line
-            (docker: ``images``, ``keep_containers``, ``volumes``, ``shm_size``).
+        options: the runtime options, checked once from the command line.
     """
 
     run_id: str
     run_dir: str
     log_dir: Optional[str]
     cwd: str
-    options: Dict[str, object] = field(default_factory=dict)
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
 
 
 class Runtime(abc.ABC):

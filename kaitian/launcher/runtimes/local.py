@@ -30,9 +30,8 @@ logger = logging.getLogger(__name__)
 class LocalRuntime(Runtime):
     """Runs workers as local subprocesses (pinned, optionally CPU-quota'd).
 
-    ``RunContext.options`` keys read here (all optional): ``numa_options``,
-    ``duplicate_stdout_filters``, ``duplicate_stderr_filters`` (torchrun's
-    ``--numa-binding`` and ``--duplicate-std*-filters``).
+    Reads ``ctx.options.local.numa_options`` and the ``--duplicate-std*-filters``
+    of ``ctx.options``.
     """
 
     name = "local"
@@ -70,9 +69,9 @@ class LocalRuntime(Runtime):
             logs_specs=logs_specs,
             log_line_prefixes=log_line_prefixes,
             start_method=start_method,
-            numa_options=opts.get("numa_options"),
-            duplicate_stdout_filters=opts.get("duplicate_stdout_filters"),
-            duplicate_stderr_filters=opts.get("duplicate_stderr_filters"),
+            numa_options=opts.local.numa_options,
+            duplicate_stdout_filters=opts.duplicate_stdout_filters,
+            duplicate_stderr_filters=opts.duplicate_stderr_filters,
         )
         pids = pcontext.pids()
         for local_rank, launch in workers.items():

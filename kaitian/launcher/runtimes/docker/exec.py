@@ -20,7 +20,8 @@ import time
 from typing import IO, Callable, Dict, Iterable, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext, ProcessFailure, RunProcsResult, call_supported
-from kaitian.launcher.runtimes.docker.plan import ExecPlan, exit_code_from_docker, stop_command
+from kaitian.launcher.runtimes.docker.plan import ExecPlan, exit_code_from_docker
+from kaitian.launcher.runtimes.docker.shell import stop_command
 
 __all__ = ["DockerExecContext"]
 
@@ -314,17 +315,21 @@ class DockerExecContext(PContext):
         return {rank: ex.container_pid(wait=0) for rank, ex in self._execs.items()}
 
     def _signal(self, execs: Iterable[_Exec], sig: signal.Signals) -> None:
-        """Signals the workers' process groups from inside their containers."""
-        by_container: Dict[str, List[int]] = {}
+        """Signals the workers' process groups from inside their containers.
+
+        As the workers' own user: containers keep no capability to signal
+        another user's processes.
+        """
+        by_container: Dict[Tuple[str, str], List[int]] = {}
         for ex in execs:
             pgid = ex.container_pid()
             if pgid is None:
                 continue
-            by_container.setdefault(ex.container_id, []).append(pgid)
-        for container_id, pgids in by_container.items():
+            by_container.setdefault((ex.container_id, ex.plan.user), []).append(pgid)
+        for (container_id, user), pgids in by_container.items():
             try:
                 api = self._client.api
-                exec_id = api.exec_create(container_id, list(stop_command(pgids, sig.name)), user="0")["Id"]
+                exec_id = api.exec_create(container_id, list(stop_command(pgids, sig.name)), user=user)["Id"]
                 api.exec_start(exec_id)
             except Exception as exc:  # noqa: BLE001 (container already gone: workers are too)
                 logger.warning("could not signal workers in container %s: %s", container_id[:12], exc)

@@ -21,16 +21,20 @@ import sys
 import tarfile
 import tempfile
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, TextIO
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, TextIO, Tuple
 
 from kaitian.devices.vendors import VENDORS
-from kaitian.errors import ImageBuildError
+from kaitian.errors import DockerOptionError, ImageBuildError, ImageNotFoundError
+from kaitian.launcher.runtimes.docker.labels import LABEL_HOST_MOUNTS, LABEL_PYTHON
+from kaitian.launcher.runtimes.docker.options import Mount, parse_volume
 
-__all__ = ["build", "TARGETS", "ImageBuildError", "host_mounts", "build_context"]
+__all__ = ["build", "TARGETS", "ImageBuildError", "ImageInfo", "image_info", "host_mounts", "host_python", "build_context"]
 
 TARGETS = ("cpu-host", "cpu", "cuda", "mlu")
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# kaitian/launcher/runtimes/docker/images.py -> the checkout root, five levels up.
+_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 4))
 _DOCKERFILES = os.path.join(_REPO, "dockerfiles")
 # What the real images need from the checkout: sources and build files only.
 _CONTEXT_ITEMS = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in", "README.md", "LICENSE", "kaitian", "cpp")
@@ -40,22 +44,77 @@ _SKIP_DIRS = {"__pycache__", "build", ".git", "dist", ".pytest_cache"}
 _HOST_ETC = ("passwd", "group", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "ssl")
 
 
+@dataclass(frozen=True)
+class ImageInfo:
+    """What an image declares through its labels.
+
+    Attributes:
+        mounts: host paths it needs bind-mounted (``org.kaitian.host-mounts``).
+        python: its Python interpreter (``org.kaitian.python``, default ``python3``).
+    """
+
+    mounts: Tuple[Mount, ...] = ()
+    python: str = "python3"
+
+
+def image_info(client: object, ref: str) -> ImageInfo:
+    """Reads an image's kaitian labels.
+
+    Raises:
+        ImageNotFoundError: the image is not on this host.
+        DockerOptionError: its host-mounts label cannot be parsed.
+    """
+    import docker.errors
+
+    try:
+        image = client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        raise ImageNotFoundError(
+            f"docker image {ref!r} not found on this host: build it (kaitian images build), "
+            f"pull it (docker pull {ref}) or choose another with --image VENDOR=IMAGE"
+        ) from None
+    labels = (image.attrs.get("Config") or {}).get("Labels") or {}
+    mounts: Tuple[Mount, ...] = ()
+    if labels.get(LABEL_HOST_MOUNTS):
+        try:
+            mounts = tuple(parse_volume(s) for s in labels[LABEL_HOST_MOUNTS].split(",") if s)
+        except DockerOptionError as exc:
+            raise DockerOptionError(f"image {ref!r} has a bad {LABEL_HOST_MOUNTS} label: {exc}") from None
+    return ImageInfo(mounts, labels.get(LABEL_PYTHON) or "python3")
+
+
 def default_tag(target: str) -> str:
     """``kaitian:cpu`` for ``cpu`` and ``cpu-host`` (both serve CPU groups), ``kaitian:<vendor>`` otherwise."""
     vendor = "cpu" if target == "cpu-host" else target
     return VENDORS[vendor].image
 
 
+def host_python() -> str:
+    """The interpreter the ``cpu-host`` image runs: this one, as invoked.
+
+    Not its real path: a virtualenv's ``bin/python`` is a link to the base
+    interpreter, and only when started through the link does Python find the
+    venv's ``pyvenv.cfg`` (and so its site-packages). A conda env's python
+    is a real file inside the env, so both cases are ``sys.executable``.
+    """
+    return os.path.abspath(sys.executable)
+
+
 def host_mounts() -> List[str]:
     """Host paths the ``cpu-host`` image needs, as ``HOST:CONTAINER:ro`` (same path).
 
-    ``/usr`` (system libraries and tools), the interpreter's prefixes, the user
-    site directory and the directory kaitian is imported from (an editable
-    checkout).
+    ``/usr`` (system libraries and tools); the environment's prefix
+    (``sys.prefix``: the venv or conda env) and the interpreter's own
+    (``sys.base_prefix`` and where the real executable lives); the user site
+    directory; the directory kaitian is imported from (an editable checkout);
+    and the targets of links on the path to the interpreter.
     """
     paths = ["/usr"]
-    for prefix in {sys.base_prefix, sys.prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}:
+    real = os.path.realpath(sys.executable)
+    for prefix in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.dirname(real))):
         paths.append(os.path.realpath(prefix))
+        if os.path.abspath(prefix) != os.path.realpath(prefix):
+            paths.append(os.path.abspath(prefix))  # the link's own path, as the venv names it
     user_site = site.getusersitepackages() if site.ENABLE_USER_SITE else None
     if user_site and os.path.isdir(user_site):
         paths.append(user_site)
@@ -133,7 +192,7 @@ def _build_args(target: str, base: Optional[str]) -> Dict[str, str]:
     if base:
         args["BASE"] = base
     if target == "cpu-host":
-        python = os.path.realpath(sys.executable)
+        python = host_python()
         args["HOST_MOUNTS"] = ",".join(host_mounts())
         args["PYTHON"] = python
         args["PATH_DIRS"] = f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin"
@@ -166,7 +225,7 @@ def build(
         ImageBuildError: the build failed (message carries docker's error).
         DockerUnavailableError: the daemon cannot be reached.
     """
-    from kaitian.launcher.runtimes.docker.runtime import connect
+    from kaitian.launcher.runtimes.docker.client import connect
 
     if target not in TARGETS:
         raise ImageBuildError(f"unknown image {target!r}; choose from: {', '.join(TARGETS)}")

@@ -1,198 +1,73 @@
-"""The docker runtime: each group's workers in its own long-lived container.
+"""The docker runtime: each group's workers in its own container.
 
 ``kaitianrun --runtime docker`` keeps the elastic agent on the host and starts
 workers inside one container per kaitian group (per vendor, or per simulated
-CPU group) with ``docker exec``. Containers run an idle process and are reused
-across restarts; workers are signalled as whole process groups *inside* the
-container (the Engine API cannot kill an exec, and killing the exec's client
-would leave the worker running).
+CPU group) with ``docker exec``. Containers run an idle main process and are
+reused across restarts of the worker group; workers are signalled as whole
+process groups *inside* the container (the Engine API cannot kill an exec,
+and killing the exec's client would leave the worker running).
 
-What to create is decided in ``docker_plan`` (pure); this module carries it out
-with the docker SDK, imported lazily and injectable for tests; workers as
-``docker exec`` processes (start, logs, exit codes, stopping) live in
-``docker_exec``.
+A run's containers are tied to the agent's life: their main process reads
+the agent's stdin attach, so when the agent dies (even by SIGKILL) the
+engine closes it, the container stops, its workers die with its pid
+namespace, and the engine removes it (``shell.MAIN_TIED``).
+
+What to create is decided in ``plan`` (pure); this module carries it out:
+the engine connection is ``client``, image labels ``images``, workers as
+``docker exec`` processes ``exec``.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import socket
 import sys
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
+from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch
+from kaitian.launcher.rundir import record_pid_namespace
+from kaitian.launcher.runtimes.docker.client import (
+    connect, find_one, is_not_found, list_containers, pid_namespace_of, remove_container,
+)
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
-from kaitian.launcher.runtimes.docker.plan import (
+from kaitian.launcher.runtimes.docker.images import ImageInfo, image_info
+from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_HOST,
     LABEL_AGENT_PID,
-    LABEL_AGENT_START,
     LABEL_GROUP,
-    LABEL_HOST_MOUNTS,
     LABEL_KEEP,
     LABEL_MANAGED,
-    LABEL_PYTHON,
     LABEL_RUN_ID,
     LABEL_SPEC,
-    AgentIdentity,
-    ContainerLookupError,
-    ContainerPlan,
-    DockerOptionError,
-    DockerOptions,
-    DockerRuntimeError,
-    DockerUnavailableError,
-    ExecPlan,
-    ImageNotFoundError,
-    Mount,
-    image_for,
-    parse_options,
-    parse_volume,
-    plan_container,
-    plan_exec,
+    agent_identity,
+    owner_alive,
+)
+from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
+from kaitian.launcher.runtimes.docker.plan import (
+    NOBODY, ContainerPlan, ExecPlan, choose_user, image_for, plan_container, plan_exec,
 )
 from kaitian.settings import Settings
 
-__all__ = [
-    "DockerRuntime",
-    "DockerExecContext",
-    "DockerRuntimeError",
-    "DockerUnavailableError",
-    "ImageNotFoundError",
-    "ContainerLookupError",
-    "DockerOptionError",
-    "connect",
-    "agent_identity",
-    "owner_alive",
-    "remove_container",
-]
+__all__ = ["DockerRuntime", "DockerExecContext"]
 
 logger = logging.getLogger(__name__)
 
 
-# The environment's client, once it has answered (the agent, its stale-container
-# collection and its runtime share one connection).
-_default_client: object = None
+def _grant(paths: List[str], user: str) -> None:
+    """Hands directories the workers write in to their user (a root agent only).
 
-
-def connect(client: object = None) -> object:
-    """A docker SDK client that has answered a ping.
-
-    Args:
-        client: an existing client (tests inject one); ``None`` builds one
-            from the environment (``DOCKER_HOST`` …).
-
-    Returns:
-        The client.
-
-    Raises:
-        DockerUnavailableError: the SDK is missing, the daemon does not answer,
-            or the socket refuses this user.
+    The agent creates them owner-only; a non-root worker must write its
+    FileStore, pid file and error files there.
     """
-    try:
-        import docker
-        import docker.errors
-    except ImportError:
-        raise DockerUnavailableError(
-            "the docker runtime needs the docker SDK: pip install 'docker>=7'"
-        ) from None
-    import requests.exceptions
-
-    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-    denied = DockerUnavailableError(
-        f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
-        "(sudo usermod -aG docker $USER, then log in again) or run as root"
-    )
-    global _default_client
-    if client is None and _default_client is not None:
-        return _default_client
-    try:
-        if client is None:
-            client = docker.DockerClient.from_env(max_pool_size=64)
-            client.ping()
-            _default_client = client
-        else:
-            client.ping()
-    except PermissionError:
-        raise denied from None
-    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
-        if "Permission denied" in str(exc) or isinstance(exc.__context__, PermissionError):
-            raise denied from None
-        raise DockerUnavailableError(
-            f"cannot reach the Docker daemon at {where}: start it "
-            "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
-        ) from None
-    return client
-
-
-def _process_start(pid: int) -> Optional[str]:
-    """A process's start time (clock ticks since boot), or ``None`` if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    # The command name may hold spaces; fields after the last ')' are fixed.
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def agent_identity() -> AgentIdentity:
-    """This agent's host, pid and process start time (labels its containers)."""
-    pid = os.getpid()
-    return AgentIdentity(host=socket.gethostname(), pid=pid, start=_process_start(pid) or "0")
-
-
-def owner_alive(labels: Mapping[str, str]) -> bool:
-    """Whether the agent named in a container's labels still runs on this host."""
-    try:
-        pid = int(labels.get(LABEL_AGENT_PID, ""))
-    except ValueError:
-        return False
-    start = _process_start(pid)
-    return start is not None and start == labels.get(LABEL_AGENT_START)
-
-
-def _pid_namespace_of(container: object) -> Optional[int]:
-    """The pid namespace (inode) of a running container, if this host can see it."""
-    try:
-        container.reload()  # listed containers carry only a summary
-        pid = int(container.attrs["State"]["Pid"] or 0)
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino if pid > 0 else None
-    except Exception:  # noqa: BLE001 (gone already, another host, no permission: nothing to clean)
-        return None
-
-
-def remove_container(container: object) -> None:
-    """Removes a container (killing what runs in it) and the kaitian shared-memory
-    segments its processes left: their pid namespace is gone with it."""
-    from kaitian.backend.shm_gc import collect_namespace_segments
-
-    pid_ns = _pid_namespace_of(container)
-    container.remove(force=True)
-    if pid_ns:
-        for name in collect_namespace_segments(pid_ns):
-            logger.info("removed shared memory %s left in container %s", name, container.name)
-
-
-def _label_filters(labels: Mapping[str, str]) -> Dict[str, List[str]]:
-    return {"label": [f"{k}={v}" for k, v in labels.items()]}
-
-
-def _find_one(client: object, labels: Mapping[str, str]) -> Optional[object]:
-    """The one container carrying ``labels``; ``None`` if there is none.
-
-    Raises:
-        ContainerLookupError: several containers match.
-    """
-    found = client.containers.list(all=True, filters=_label_filters(labels))
-    if len(found) > 1:
-        names = ", ".join(sorted(c.name for c in found))
-        raise ContainerLookupError(
-            f"several kaitian containers match {dict(labels)}: {names}; "
-            "remove the extra ones (docker rm -f NAME) and retry"
-        )
-    return found[0] if found else None
+    uid, _, gid = user.partition(":")
+    for path in paths:
+        try:
+            os.chown(path, int(uid), int(gid or uid))
+        except OSError as exc:
+            logger.warning("could not hand %s to the container user %s: %s", path, user, exc)
 
 
 # `--run-path`: torchrun runs the script with runpy in the worker process; in a
@@ -216,34 +91,49 @@ def _as_binary(entrypoint: object, args: Dict[int, Tuple]) -> Tuple[str, Dict[in
 
 
 class DockerRuntime(Runtime):
-    """Runs each group's workers in its own long-lived container.
+    """Runs each group's workers in its own container.
 
     Args:
-        ctx: the node's run context (``options``: ``images``,
-            ``keep_containers``, ``volumes``, ``shm_size``).
+        ctx: the node's run context (``ctx.options.docker``: images, mounts,
+            ``--keep-containers``, ``--shm-size``, ``--container-user``).
         client: a docker SDK client (tests); built from the environment if ``None``.
-
-    Raises:
-        DockerOptionError: an option that cannot be used.
     """
 
     name = "docker"
 
     def __init__(self, ctx: RunContext, client: object = None) -> None:
         super().__init__(ctx)
-        self.options: DockerOptions = parse_options(ctx.options)
+        self.options: DockerOptions = ctx.options.docker
         self._client = client
+        self._connected = False
         self._agent = agent_identity()
         self._containers: Dict[str, str] = {}  # group -> container id, this run's
-        self._image_info: Dict[str, Tuple[Tuple[Mount, ...], str]] = {}
+        self._ties: Dict[str, object] = {}  # container id -> the agent's stdin attach
+        self._images: Dict[str, ImageInfo] = {}
         self._parent_cgroup: Optional[str] = None
+        self.user = self._worker_user()
 
     @property
     def client(self) -> object:
-        if self._client is None or not getattr(self, "_connected", False):
+        if self._client is None or not self._connected:
             self._client = connect(self._client)
             self._connected = True
         return self._client
+
+    def _worker_user(self) -> str:
+        st = os.stat(self.ctx.cwd)
+        user = choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
+        if user == NOBODY and not self.options.user:
+            logger.warning(
+                "docker: workers run as nobody (65534): the agent is root and so is the owner of %s; "
+                "pass --container-user UID[:GID] (or root) to choose", self.ctx.cwd,
+            )
+        return user
+
+    @property
+    def _hands_over(self) -> bool:
+        """Whether the (root) agent must give the workers' directories to their user."""
+        return os.getuid() == 0 and self.user != ROOT_USER
 
     # --- the contract --------------------------------------------------------
 
@@ -284,33 +174,38 @@ class DockerRuntime(Runtime):
             log_line_prefixes=log_line_prefixes,
             prepare=prepare,
             client=client,
-            duplicate_stdout_filters=self.ctx.options.get("duplicate_stdout_filters"),  # type: ignore[arg-type]
-            duplicate_stderr_filters=self.ctx.options.get("duplicate_stderr_filters"),  # type: ignore[arg-type]
+            duplicate_stdout_filters=self.ctx.options.duplicate_stdout_filters,
+            duplicate_stderr_filters=self.ctx.options.duplicate_stderr_filters,
         )
         pc.start()
         return pc
 
     def shutdown(self) -> None:
         """Removes this run's containers unless ``--keep-containers``. Idempotent."""
-        if self.options.keep_containers or not self._containers:
-            self._containers.clear()
-            return
-        client = self._client
-        for group, cid in list(self._containers.items()):
+        if not self.options.keep_containers:
+            for group, cid in list(self._containers.items()):
+                try:
+                    remove_container(self._client.containers.get(cid))
+                    logger.info("removed container of group %s", group)
+                except Exception as exc:  # noqa: BLE001
+                    if not is_not_found(exc):
+                        logger.warning("could not remove container %s: %s", cid[:12], exc)
+        self._containers.clear()
+        for tie in self._ties.values():
             try:
-                remove_container(client.containers.get(cid))
-                logger.info("removed container of group %s", group)
-            except Exception as exc:  # noqa: BLE001
-                if type(exc).__name__ != "NotFound":
-                    logger.warning("could not remove container %s: %s", cid[:12], exc)
-            self._containers.pop(group, None)
+                tie.close()
+            except OSError:
+                pass
+        self._ties.clear()
 
     @classmethod
     def collect_stale(cls, client: object = None) -> List[str]:
         """Removes containers whose agent on this host is gone; returns their names.
 
-        Kept containers (``--keep-containers``) are left alone: they are meant
-        to outlive their run.
+        A run's containers remove themselves when their agent dies; this
+        catches those whose agent died before it could tie them. Kept
+        containers (``--keep-containers``) are left alone: they are meant to
+        outlive their run.
 
         Raises:
             DockerUnavailableError: the daemon cannot be reached.
@@ -318,46 +213,23 @@ class DockerRuntime(Runtime):
         client = connect(client)
         labels = {LABEL_MANAGED: "1", LABEL_KEEP: "0", LABEL_AGENT_HOST: socket.gethostname()}
         removed = []
-        for c in client.containers.list(all=True, filters=_label_filters(labels)):
+        for c in list_containers(client, labels):
             if owner_alive(c.labels):
                 continue
             try:
                 remove_container(c)
                 removed.append(c.name)
             except Exception as exc:  # noqa: BLE001
-                if type(exc).__name__ != "NotFound":
+                if not is_not_found(exc):
                     logger.warning("could not remove stale container %s: %s", c.name, exc)
         return removed
 
     # --- helpers -------------------------------------------------------------
 
-    def _image(self, ref: str) -> Tuple[Tuple[Mount, ...], str]:
-        """The host mounts and python an image declares (its labels).
-
-        Raises:
-            ImageNotFoundError: the image is not on this host.
-        """
-        if ref in self._image_info:
-            return self._image_info[ref]
-        import docker.errors
-
-        try:
-            image = self.client.images.get(ref)
-        except docker.errors.ImageNotFound:
-            raise ImageNotFoundError(
-                f"docker image {ref!r} not found on this host: build it (kaitian images build), "
-                f"pull it (docker pull {ref}) or choose another with --image VENDOR=IMAGE"
-            ) from None
-        labels = (image.attrs.get("Config") or {}).get("Labels") or {}
-        mounts: Tuple[Mount, ...] = ()
-        if labels.get(LABEL_HOST_MOUNTS):
-            try:
-                mounts = tuple(parse_volume(s) for s in labels[LABEL_HOST_MOUNTS].split(",") if s)
-            except DockerOptionError as exc:
-                raise DockerOptionError(f"image {ref!r} has a bad {LABEL_HOST_MOUNTS} label: {exc}") from None
-        info = (mounts, labels.get(LABEL_PYTHON) or "python3")
-        self._image_info[ref] = info
-        return info
+    def _image(self, ref: str) -> ImageInfo:
+        if ref not in self._images:
+            self._images[ref] = image_info(self.client, ref)
+        return self._images[ref]
 
     def _cgroup_parent(self) -> Optional[str]:
         """The agent's own cgroup, if containers can be created in it.
@@ -380,23 +252,28 @@ class DockerRuntime(Runtime):
                 self._parent_cgroup = ""
         return self._parent_cgroup or None
 
-    @staticmethod
-    def _mount_dir(path: str) -> str:
-        """The directory mounted for a run or log directory: its parent, so kept
-        containers also serve later runs (whose directories are new siblings)."""
-        path = os.path.abspath(path)
-        parent = os.path.dirname(path)
-        return parent if parent not in ("", "/") else path
+    def _state_dir(self) -> str:
+        """The run state directory containers mount: this run's directory, or for
+        kept containers the directory of all run directories (later runs' are
+        new siblings there), so a kept container serves the next run too."""
+        run_dir = os.path.abspath(self.ctx.run_dir)
+        if not self.options.keep_containers:
+            return run_dir
+        base = os.path.dirname(run_dir)
+        if self._hands_over:
+            os.chmod(base, 0o711)  # traversable, not listable: run directories stay owner-only
+        return base
 
     def _log_dirs(self, pc: DockerExecContext, logs_specs: LogsSpecs) -> List[str]:
-        """Host directories workers write into (error files, monitor samples)."""
+        """Host directories workers write into (error files, monitor samples): exactly
+        those, never a parent (``--log-dir /tmp/x`` is ``/tmp/x``, not ``/tmp``)."""
         dirs = set()
         try:
             root = logs_specs.root_log_dir
         except Exception:  # noqa: BLE001 (custom LogsSpecs without a root)
             root = None
         if root and root != os.devnull:
-            dirs.add(self._mount_dir(root))
+            dirs.add(os.path.abspath(root))
         for path in pc.error_files.values():
             if path and path != os.devnull:
                 d = os.path.dirname(os.path.abspath(path))
@@ -413,6 +290,29 @@ class DockerRuntime(Runtime):
                 dirs.add(monitor_dir)
         return sorted(dirs)
 
+    def _writable(self, pc: DockerExecContext, pid_dir: str, log_dirs: List[str]) -> List[str]:
+        """Directories a non-root worker writes in: the run directory, this start's
+        directory and pid directory, the monitor directory, and the directories
+        torch made for error files below a log directory (never the user's
+        ``--log-dir`` itself, never anything above it)."""
+        run_dir = os.path.abspath(self.ctx.run_dir)
+        paths = {run_dir, pid_dir}
+        for env in pc.envs.values():
+            if env.get("KAITIAN_RUN_DIR"):
+                paths.add(os.path.abspath(env["KAITIAN_RUN_DIR"]))
+            monitor_dir = Settings.from_env(env).monitor_dir
+            if monitor_dir:
+                paths.add(os.path.abspath(os.path.join(self.ctx.cwd, monitor_dir)))
+        roots = [run_dir, *log_dirs]
+        for path in pc.error_files.values():
+            if not path or path == os.devnull:
+                continue
+            d = os.path.dirname(os.path.abspath(path))
+            while any(d.startswith(r.rstrip("/") + "/") for r in roots):
+                paths.add(d)
+                d = os.path.dirname(d)
+        return sorted(paths)
+
     def _prepare(
         self,
         pc: DockerExecContext,
@@ -424,35 +324,34 @@ class DockerRuntime(Runtime):
         for rank in sorted(workers):
             groups.setdefault(workers[rank].device.group, []).append(workers[rank])
         log_dirs = self._log_dirs(pc, logs_specs)
-        run_mount = self._mount_dir(self.ctx.run_dir)
-        device_nodes = glob.glob("/dev/cambricon*") + glob.glob("/dev/ipcm*")
+        state_dir = self._state_dir()
+        cwd = os.path.abspath(self.ctx.cwd)
         plans: Dict[str, ContainerPlan] = {}
-        pythons: Dict[str, str] = {}
         for group, members in groups.items():
             ref = image_for(group, members[0].device.type, self.options.images)
-            mounts, python = self._image(ref)
             plans[group] = plan_container(
                 group=group,
                 workers=members,
                 image=ref,
                 run_id=self.ctx.run_id,
-                run_dir=run_mount,
-                cwd=os.path.abspath(self.ctx.cwd),
+                run_dir=state_dir,
+                cwd=cwd,
                 log_dirs=log_dirs,
                 options=self.options,
                 agent=self._agent,
-                image_mounts=mounts,
-                device_nodes=device_nodes,
+                user=self.user,
+                image_mounts=self._image(ref).mounts,
                 cgroup_parent=self._cgroup_parent(),
             )
-            pythons[group] = python
-        for group, plan in plans.items():
-            self._containers[group] = self._ensure(plan)
 
         pid_dir = os.path.join(self.ctx.run_dir, "docker-pids")
         os.makedirs(pid_dir, mode=0o700, exist_ok=True)
-        host_python = {sys.executable, os.path.realpath(sys.executable)}
-        user = f"{os.getuid()}:{os.getgid()}"
+        if self._hands_over:
+            _grant(self._writable(pc, pid_dir, log_dirs), self.user)
+        for group, plan in plans.items():
+            self._containers[group] = self._ensure(plan)
+
+        host_python = {sys.executable, os.path.abspath(sys.executable), os.path.realpath(sys.executable)}
         out: Dict[int, Tuple[ExecPlan, str]] = {}
         for rank, w in workers.items():
             plan = plans[w.device.group]
@@ -464,11 +363,10 @@ class DockerRuntime(Runtime):
                 # Like torch's local subprocesses, workers inherit the agent's
                 # environment under the variables the agent set.
                 env={**os.environ, **pc.envs[rank]},
-                cwd=os.path.abspath(self.ctx.cwd),
+                cwd=cwd,
                 pid_file=os.path.join(pid_dir, f"{rank}.pid"),
-                user=user,
                 host_python=sorted(host_python),
-                image_python=pythons[w.device.group],
+                image_python=self._image(plan.image).python,
             )
             out[rank] = (ex, self._containers[w.device.group])
         return out
@@ -481,8 +379,8 @@ class DockerRuntime(Runtime):
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)}
         else:
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)}
-        found = _find_one(client, key)
-        if found is not None and found.labels.get(LABEL_SPEC) != plan.spec:
+        found = find_one(client, key)
+        if found is not None and (found.labels.get(LABEL_SPEC) != plan.spec or (plan.tied and found.id not in self._ties)):
             logger.info("container %s no longer matches its group; recreating it", found.name)
             remove_container(found)
             found = None
@@ -506,9 +404,16 @@ class DockerRuntime(Runtime):
                 f"cannot create the container for group {plan.group!r}: {exc.explanation or exc}"
             ) from None
         try:
+            if plan.tied:
+                # Attached before it starts (as docker run -i): its stdin closes
+                # when this process exits, however it exits.
+                self._ties[container.id] = client.api.attach_socket(
+                    container.id, params={"stdin": 1, "stream": 1}
+                )
             container.start()
         except docker.errors.APIError as exc:
-            container.remove(force=True)
+            remove_container(container)
+            self._ties.pop(container.id, None)
             why = str(exc.explanation or exc)
             hint = ""
             if 'device driver "nvidia"' in why:
@@ -517,4 +422,7 @@ class DockerRuntime(Runtime):
             raise DockerRuntimeError(
                 f"cannot start the container for group {plan.group!r} ({plan.image}): {why}{hint}"
             ) from None
+        pid_ns = pid_namespace_of(container)
+        if pid_ns:
+            record_pid_namespace(self.ctx.run_dir, pid_ns)
         return container.id
