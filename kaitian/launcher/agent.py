@@ -296,7 +296,7 @@ class KaitianAgent(_te.SimpleElasticAgent):
             plan = self._plans[local_rank]
             env = self._torchrun_env(worker_group, worker, restart_count)
             env.update(self._kaitian_env(plan, start_dir, job_key))
-            if spec.virtual_local_rank and plan.device.type == "cuda":
+            if getattr(spec, "virtual_local_rank", False) and plan.device.type == "cuda":  # torch 2.10+
                 # torchrun shows worker i the i-th GPU; kaitian shows it its planned one
                 env["CUDA_VISIBLE_DEVICES"] = plan.device.uuid or str(plan.device.index)
             envs[local_rank] = env
