@@ -382,4 +382,5 @@ class KaitianAgent(_te.SimpleElasticAgent):
             self._health_check_server.stop()
             self._health_check_server = None
         if self._pcontext is not None:
+            self._runtime.before_stop()
             self._pcontext.close(death_sig, timeout)

@@ -99,6 +99,9 @@ class Runtime(abc.ABC):
         Called once per (re)start of the worker group; keyed by local rank.
         """
 
+    def before_stop(self) -> None:
+        """Called by the agent right before it stops the workers it started."""
+
     def shutdown(self) -> None:
         """Releases everything the run created (containers, cgroups). Idempotent."""
 

@@ -66,8 +66,6 @@ class LocalRuntime(Runtime):
         for local_rank, launch in job.workers.items():
             pin(pids[local_rank], launch.cpus)
         self._apply_quotas(pids, job.workers)
-        if self._duty is not None:
-            self._resume_before_close(pcontext, list(pids.values()))
         return pcontext
 
     def _apply_quotas(self, pids: Dict[int, int], workers: Dict[int, WorkerLaunch]) -> None:
@@ -93,17 +91,11 @@ class LocalRuntime(Runtime):
             fraction = launches[0].cpu_quota / (len(cores) or all_cores)
             self._duty.add([pids[launch.local_rank] for launch in launches], fraction)
 
-    def _resume_before_close(self, pcontext: "_te.PContext", pids: List[int]) -> None:
-        # A stopped process does not act on SIGTERM; let the workers run before
+    def before_stop(self) -> None:
+        # A stopped process does not act on SIGTERM: let the workers run before
         # the agent signals them, or a graceful stop would always time out.
-        original_close = pcontext.close
-        duty = self._duty
-
-        def close(*a, **kw):
-            duty.release(pids)
-            return original_close(*a, **kw)
-
-        pcontext.close = close  # type: ignore[method-assign]
+        if self._duty is not None:
+            self._duty.release()
 
     def shutdown(self) -> None:
         if self._duty is not None:
