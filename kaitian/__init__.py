@@ -11,7 +11,7 @@ from typing import Any
 
 from kaitian.backend import register_backend as _register_backend
 
-__version__ = "0.1.0"
+from kaitian.version import __version__
 
 _register_backend()
 

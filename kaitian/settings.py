@@ -111,6 +111,9 @@ class Settings:
             through the group's store.
         bridge_ports: ``KAITIAN_BRIDGE_PORTS`` - ``(lo, hi)``: the TCP bridge listens
             on the first free port of that range; ``None`` means any port.
+        agent_version: ``KAITIAN_AGENT_VERSION`` - ``<kaitian version>/<bridge
+            protocol>`` of the kaitianrun that started this worker; a worker
+            whose own kaitian differs (another image) refuses to start.
     """
 
     device_type: Optional[str] = None
@@ -129,6 +132,7 @@ class Settings:
     spin_us: int = 50
     job_key: Optional[str] = field(default=None, repr=False)
     bridge_ports: Optional[tuple[int, int]] = None
+    agent_version: Optional[str] = None
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -156,6 +160,7 @@ class Settings:
             bridge_addr=env.get("KAITIAN_BRIDGE_ADDR") or None,
             spin_us=_int(env, "KAITIAN_SPIN_US", 50),
             job_key=_secret(env, "KAITIAN_JOB_KEY"),
+            agent_version=env.get("KAITIAN_AGENT_VERSION") or None,
             bridge_ports=_port_range(env, "KAITIAN_BRIDGE_PORTS"),
         )
 

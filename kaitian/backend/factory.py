@@ -25,7 +25,8 @@ from kaitian.backend import groups as _layout
 from kaitian.backend import shm_gc
 from kaitian.settings import Settings, settings
 from kaitian.devices.vendors import VENDORS
-from kaitian.errors import BackendSetupError
+from kaitian.errors import BackendSetupError, VersionMismatchError
+from kaitian.version import versions
 
 __all__ = ["create_kaitian_backend", "BackendSetupError", "INTRA_GAPS", "intra_gaps"]
 
@@ -179,6 +180,16 @@ def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout:
     return plugin.creator_fn(store, group_rank, group_size, timeout)
 
 
+def _check_agent_version(s: Settings) -> None:
+    """A worker must run the kaitian its agent runs (a container image may carry another)."""
+    mine = versions()
+    if s.agent_version and s.agent_version != mine:
+        raise VersionMismatchError(
+            f"this worker runs kaitian/bridge protocol {mine} but kaitianrun runs {s.agent_version}; "
+            "install the agent's kaitian in the worker's environment (its container image)"
+        )
+
+
 def create_kaitian_backend(dist_opts, backend_options=None):
     """Creator registered with ``Backend.register_backend(..., extended_api=True)``.
 
@@ -199,6 +210,7 @@ def create_kaitian_backend(dist_opts, backend_options=None):
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     timeout = _timeout_of(dist_opts)
     s = settings()
+    _check_agent_version(s)
     shm_gc.collect_stale_segments(min_age_s=timeout.total_seconds())
 
     me = _layout.local_rank_info(rank, s)

@@ -29,6 +29,7 @@ from kaitian.launcher.rendezvous import NodePlan, agree_on_placement, local_inve
 from kaitian.launcher.rundir import RunDir
 from kaitian.launcher.runtimes.base import Runtime, WorkerLaunch, WorkerStart
 from kaitian.settings import settings
+from kaitian.version import versions
 
 __all__ = ["KaitianAgent"]
 
@@ -228,7 +229,8 @@ class KaitianAgent(_te.SimpleElasticAgent):
         return env
 
     def _kaitian_env(self, plan: WorkerPlan, start_dir: str, job_key: str) -> Dict[str, str]:
-        env = {**plan.device.to_env(), "KAITIAN_RUN_DIR": start_dir, "KAITIAN_JOB_KEY": job_key}
+        env = {**plan.device.to_env(), "KAITIAN_RUN_DIR": start_dir, "KAITIAN_JOB_KEY": job_key,
+               "KAITIAN_AGENT_VERSION": versions()}
         if plan.key in self._capabilities:
             env["KAITIAN_CAPABILITY"] = repr(float(self._capabilities[plan.key]))
         if self._monitor_dir:

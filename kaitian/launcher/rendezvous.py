@@ -33,6 +33,7 @@ from kaitian import _torch as _te
 from kaitian.devices.device import WorkerDevice
 from kaitian.errors import KaitianError, RendezvousError, VersionMismatchError
 from kaitian.launcher.placement import Placement, Slot, lay_out
+from kaitian import version as _version
 
 __all__ = [
     "BACKEND_NAME",
@@ -40,7 +41,6 @@ __all__ = [
     "NodePlan",
     "KaitianRendezvousHandler",
     "agree_on_placement",
-    "bridge_protocol",
     "check_versions",
     "create_handler",
     "handler_creator_entry",
@@ -52,16 +52,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "kaitian"
 _PREFIX = "kaitian/round"
-
-def bridge_protocol() -> int:
-    """The bridge protocol version this node's workers speak (``kaitian._C.BRIDGE_PROTOCOL``,
-    the C++ bridge's own constant; 0 when the extension is not built)."""
-    try:
-        from kaitian import _C
-    except ImportError:
-        return 0
-    return int(_C.BRIDGE_PROTOCOL)
-
 
 @dataclass(frozen=True)
 class NodeInventory:
@@ -95,9 +85,7 @@ class NodeInventory:
 
 def local_inventory(slots: Sequence[Slot]) -> NodeInventory:
     """This node's inventory: its slots plus the versions it runs."""
-    import kaitian
-
-    return NodeInventory(tuple(slots), socket.gethostname(), kaitian.__version__, bridge_protocol())
+    return NodeInventory(tuple(slots), socket.gethostname(), _version.__version__, _version.bridge_protocol())
 
 
 def check_versions(inventories: Sequence[NodeInventory]) -> None:

@@ -157,3 +157,21 @@ def test_plain_torchrun_without_kaitian_variables(tmp_path):
     # The private run directory (made by rank 0 in TMPDIR) is gone again.
     leftovers = [p for p in os.listdir(tmp) if p.startswith("kaitian-run-")]
     assert leftovers == []
+
+
+def test_worker_with_another_kaitian_than_its_agent_refuses_to_start():
+    """A worker whose kaitian (its container image's) differs from kaitianrun's fails at
+    init_process_group with one line that says so, on every rank."""
+    from support import worker
+    from support.ranks import Layout, cleanup, run_ranks, tail
+
+    run = run_ranks(Layout("1+1", env=(("KAITIAN_AGENT_VERSION", "0.0.0/1"),)),
+                    [worker("failure"), "--scenario", "none"], timeout=60)
+    try:
+        assert not run.timed_out
+        for rank, log in enumerate(run.logs):
+            text = tail(log, 30)
+            assert run.returncodes[rank] != 0, text
+            assert "but kaitianrun runs 0.0.0/1" in text and "install the agent's kaitian" in text, text
+    finally:
+        cleanup(run)

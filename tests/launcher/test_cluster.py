@@ -193,7 +193,7 @@ def test_version_mismatch_is_one_line_before_any_worker_starts(tmp_path):
     """One host with another kaitian version: every agent stops with one line; no worker ever starts."""
     fake = tmp_path / "fake-version"
     fake.mkdir()
-    (fake / "sitecustomize.py").write_text("import kaitian\nkaitian.__version__ = '0.0.0+other'\n")
+    (fake / "sitecustomize.py").write_text("import kaitian.version\nkaitian.version.__version__ = '0.0.0+other'\n")
     out = tmp_path / "out"
     out.mkdir()
     with bed(2) as net:

@@ -20,6 +20,8 @@ import pytest
 from support import REPO, WORKERS
 from support.entry_point import entry_point_site
 
+from kaitian.version import versions
+
 SCRIPTS = WORKERS
 RUN_BASE = os.path.join(__import__("tempfile").gettempdir(), f"kaitian-{os.getuid()}")
 CGROUP_ROOT = "/sys/fs/cgroup/cpu/kaitian"
@@ -152,8 +154,11 @@ def test_worker_env_matches_torchrun(tmp_path, flags, pet):
                 continue  # a path in each launcher's own log directory
             assert k_env[key] == value, f"rank {rank}: {key}={k_env[key]!r}, torchrun: {value!r}"
         extra = {k for k in k_env if k not in t_env}
-        assert {"KAITIAN_DEVICE_TYPE", "KAITIAN_DEVICE_INDEX", "KAITIAN_RUN_DIR", "KAITIAN_JOB_KEY"} <= extra
+        assert {"KAITIAN_DEVICE_TYPE", "KAITIAN_DEVICE_INDEX", "KAITIAN_RUN_DIR", "KAITIAN_JOB_KEY",
+                "KAITIAN_AGENT_VERSION"} <= extra
+        assert k_env["KAITIAN_AGENT_VERSION"] == versions()
         assert extra <= {"KAITIAN_DEVICE_TYPE", "KAITIAN_DEVICE_INDEX", "KAITIAN_RUN_DIR", "KAITIAN_JOB_KEY",
+                         "KAITIAN_AGENT_VERSION",
                          "_RUN_DIR_MODE"}
         assert k_env["KAITIAN_JOB_KEY"] == outs["kaitianrun"][0]["KAITIAN_JOB_KEY"]  # one key per job
         assert k_env["KAITIAN_DEVICE_TYPE"] == "cpu" and k_env["KAITIAN_DEVICE_INDEX"] == str(rank)
