@@ -23,7 +23,7 @@ import kaitian
 from kaitian.accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, parse_args, save_weights  # noqa: E402
+from common import BatchLog, make_dataset, make_model, parse_args, save_weights, shut_down  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     if accelerator.is_main_process:
         save_weights(accelerator.unwrap_model(model), args.save)
     accelerator.end_training()
+    del accelerator, model, optimizer
+    shut_down()
     return 0
 
 

@@ -66,3 +66,20 @@ def save_weights(model: torch.nn.Module, path: Optional[str]) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump([p.detach().cpu().reshape(-1).tolist() for p in model.parameters()], f)
+
+
+def shut_down() -> None:
+    """Ends the job's process group after the trainer is done with it.
+
+    torch 2.13 + gloo can abort at exit ("terminate called without an active
+    exception") when a DDP object outlives the process group; dropping the
+    trainer's objects first and destroying the group explicitly avoids that.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+

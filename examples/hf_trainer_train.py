@@ -20,7 +20,7 @@ from transformers import TrainerCallback, TrainingArguments
 from kaitian.transformers import KaitianTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, parse_args, save_weights  # noqa: E402
+from common import BatchLog, make_dataset, make_model, parse_args, save_weights, shut_down  # noqa: E402
 
 
 class Regression(torch.nn.Module):
@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     trainer.train()
     if trainer.is_world_process_zero():
         save_weights(model.net, parsed.save)
+    del trainer
+    shut_down()
     return 0
 
 

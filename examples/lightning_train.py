@@ -22,7 +22,7 @@ import kaitian
 from kaitian.lightning import KaitianStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, parse_args, save_weights  # noqa: E402
+from common import BatchLog, make_dataset, make_model, parse_args, save_weights, shut_down  # noqa: E402
 
 
 class Regressor(L.LightningModule):
@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     trainer.fit(module)
     if trainer.global_rank == 0:
         save_weights(module.net, args.save)
+    del trainer, strategy, module
+    shut_down()
     return 0
 
 

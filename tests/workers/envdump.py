@@ -2,8 +2,12 @@
 import json
 import os
 import sys
+import time
 
 env = dict(os.environ)
+# The agent pins a worker right after starting it: read the mask once that has
+# happened (a worker importing torch is never faster than this).
+time.sleep(0.5)
 env["_AFFINITY"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 run_dir = env.get("KAITIAN_RUN_DIR")
 if run_dir:
