@@ -124,12 +124,14 @@ def proportional_split(
     free = [i for i in range(n) if not fixed[i]]
     remaining = total - sum(result[i] for i in range(n) if fixed[i])
     base = {i: max(minimum, int(math.floor(shares[i]))) for i in free}
-    # Taking the minimum may overshoot; take back from the largest holders.
+    # Taking the minimum may overshoot; take back from whoever holds most beyond its
+    # share (never from a faster rank before a slower one).
     excess = sum(base.values()) - remaining
     while excess > 0:
-        i = max(free, key=lambda j: (base[j] - minimum, -j))
-        if base[i] <= minimum:
+        above = [j for j in free if base[j] > minimum]
+        if not above:
             raise SplitError(f"cannot give {n} ranks at least {minimum} of {total} items")
+        i = max(above, key=lambda j: (base[j] - shares[j], -j))
         base[i] -= 1
         excess -= 1
     left = remaining - sum(base.values())
