@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from support import REPO, WORKERS
+from support import REPO, TESTS, WORKERS
 from support.entry_point import entry_point_site
 
 from kaitian.version import versions
@@ -52,7 +52,7 @@ def _kaitian():
 
 def _env(**extra):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, TESTS, env.get("PYTHONPATH")]))
     for k in [k for k in env if k.startswith(("USE_", "KAITIAN_", "PET_", "TORCHELASTIC_"))]:
         del env[k]
     env.pop("OMP_NUM_THREADS", None)
@@ -354,6 +354,8 @@ def _two_nodes(tmp_path, name, backend, rdzv, port, extra_env=None):
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out_a, _ = a.communicate(timeout=240)
+        if a.returncode != 0:
+            b.kill()  # a node whose workers succeeded waits out torch's exit barrier for the failed one
         out_b, _ = b.communicate(timeout=60)
     finally:
         for p in (a, b):

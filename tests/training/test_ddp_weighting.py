@@ -12,13 +12,12 @@ import sys
 
 import pytest
 
-from support import REPO as ROOT, WORKERS
+from support import WORKERS, repo_env
 BACKEND = "kaitian"
 
 
 def _launch(nproc, script, *args, timeout=240):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = repo_env()
     # two simulated vendor groups: 1+1 ranks, or 2+1 with three ranks
     cmd = [sys.executable, "-m", "kaitian.launcher.cli", f"--nproc-per-node={nproc}",
            "--cpu-groups=2", os.path.join(WORKERS, script), *map(str, args)]

@@ -7,7 +7,6 @@ reference model on the union of all ranks' batches of each step; rank 0 writes
 the largest parameter difference seen and the timings to OUT.json.
 """
 
-import gc
 import json
 import os
 import sys
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import kaitian
+from support.worker_env import end_process_group
 
 
 def make_model():
@@ -97,10 +97,7 @@ def main():
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
-    # DDP objects still alive when the interpreter exits after
-    # destroy_process_group can abort the process (torch 2.13 + gloo).
-    gc.collect()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

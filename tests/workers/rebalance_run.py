@@ -6,7 +6,6 @@ multiplied by zero so the gradients stay exact - no sleep). Every rank writes
 its re-balancing history; rank 0 writes all of them to OUT.json.
 """
 
-import gc
 import json
 import sys
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import kaitian
+from support.worker_env import end_process_group
 
 
 class Net(torch.nn.Module):
@@ -75,11 +75,8 @@ def main():
     if rank == 0:
         with open(out, "w") as f:
             json.dump(gathered, f)
-    # DDP objects still alive when the interpreter exits after
-    # destroy_process_group can abort the process (torch 2.13 + gloo).
     del model, balancer, opt, loader
-    gc.collect()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

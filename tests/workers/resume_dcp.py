@@ -11,7 +11,6 @@ process.
 """
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader
 import kaitian
 
 from support import REPO
+from support.worker_env import end_process_group
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
 from common import make_dataset, make_model, save_weights  # noqa: E402
@@ -102,8 +102,7 @@ def main():
                        "split": sampler.split, "resumed_split": resumed_split,
                        "rounds": len(balancer.history)}, f)
     del model, balancer, opt, loader
-    gc.collect()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

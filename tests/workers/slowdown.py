@@ -8,7 +8,6 @@ batch sizes and the re-balancing history.
 """
 
 import argparse
-import gc
 import json
 import os
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import kaitian
+from support.worker_env import end_process_group
 from rebalance_run import Net  # extra hidden-layer passes per sample: real, exact-gradient work
 
 
@@ -55,8 +55,7 @@ def main():
             "history": [[d.step, d.old, d.new, d.applied] for d in balancer.history],
         }, f)
     del model, balancer, opt, loader
-    gc.collect()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -12,14 +12,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from support.worker_env import end_process_group
 
-@record
-def main() -> None:
-    backend, out = sys.argv[1], sys.argv[2]
-    if backend == "kaitian":
-        import kaitian  # noqa: F401  registers the backend
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+
+def train(rank: int) -> list:
+    """Five DDP steps on this rank's data; the final parameters."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -31,14 +28,24 @@ def main() -> None:
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+@record
+def main() -> None:
+    backend, out = sys.argv[1], sys.argv[2]
+    if backend == "kaitian":
+        import kaitian  # noqa: F401  registers the backend
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
     info = {k: os.environ.get(k) for k in (
         "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "KAITIAN_GROUP", "KAITIAN_DEVICE_TYPE",
         "KAITIAN_DEVICE_INDEX", "TORCHELASTIC_RUN_ID", "KAITIAN_JOB_KEY")}
-    info["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    info["params"] = train(rank)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import kaitian
 import kaitian.errors
 from kaitian.errors import TrainingError
+from support.worker_env import end_process_group
 
 # per step, per rank, per micro-batch: batch sizes (2 ranks)
 SIZES = {
@@ -219,7 +220,7 @@ def main():
     if args.cases == "hardening":
         out.write(json.dumps(hardening(rank, world)) + "\n")
         out.close()
-        dist.destroy_process_group()
+        end_process_group()
         return
     for case in args.cases.split(","):
         for mode in ("kaitian", "torch", "plain"):
@@ -231,8 +232,7 @@ def main():
             gc.collect()
             dist.barrier()
     out.close()
-    gc.collect()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
