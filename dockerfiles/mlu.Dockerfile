@@ -5,16 +5,15 @@
 # kaitianrun gives the container /dev/cambricon_ctl and the selected
 # /dev/cambricon_dev*, /dev/cambricon_ipcm* nodes.
 #
-# Base image pin: release builds pin it by digest (with its '@'):
-#   docker buildx imagetools inspect <BASE>
-#   docker build --build-arg BASE_DIGEST=@sha256:<digest> -f dockerfiles/mlu.Dockerfile .
-# No digest is recorded here: it must be read from the registry, which the
-# machine that wrote this file could not reach (see docs/docker.md).
+# The base is the one image here without a digest pin: Cambricon's registry
+# needs an account, and no digest of this tag could be read from public sources
+# when this file was written. Pin the image your account pulls
+# (`docker buildx imagetools inspect <tag>`) in your release build:
+#   kaitian images build mlu --base yellow.hub.cambricon.com/pytorch/pytorch:<tag>@sha256:<digest>
 ARG BASE=yellow.hub.cambricon.com/pytorch/pytorch:v24.10-torch2.4.0-ubuntu22.04-py310
-ARG BASE_DIGEST=
 
 # --- build: compile kaitian._C against the image's own torch ---
-FROM ${BASE}${BASE_DIGEST} AS build
+FROM ${BASE} AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
@@ -23,7 +22,7 @@ COPY . /src
 RUN pip wheel --no-cache-dir --no-build-isolation --no-deps -w /wheels /src
 
 # --- runtime: the same image without the build tools, plus a non-root user ---
-FROM ${BASE}${BASE_DIGEST}
+FROM ${BASE}
 RUN apt-get update \
  && apt-get install -y --no-install-recommends util-linux procps \
  && rm -rf /var/lib/apt/lists/*
