@@ -12,7 +12,10 @@ COPY rootfs/ /
 ARG HOST_MOUNTS=
 ARG PYTHON=python3
 ARG PATH_DIRS=/usr/local/bin:/usr/bin:/bin
-ENV PATH=${PATH_DIRS}
+# The environment's activation (empty when the host runs a plain interpreter).
+ARG VIRTUAL_ENV=
+ARG CONDA_PREFIX=
+ENV PATH=${PATH_DIRS} VIRTUAL_ENV=${VIRTUAL_ENV} CONDA_PREFIX=${CONDA_PREFIX}
 LABEL org.kaitian.host-mounts=${HOST_MOUNTS} org.kaitian.python=${PYTHON} org.kaitian.vendor=cpu
 # Not root unless kaitianrun is asked (--container-user root).
 USER 65534:65534

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from support import REPO, worker
-from support.docker import WORKER_UID, inspect, kaitian_containers, own, test_image
+from support.conda_env import conda_activation, conda_style_env
+from support.docker import WORKER_UID, engine, inspect, kaitian_containers, own, test_image
 from support.kept_logs import RUN_BASE, assert_logs_kept_after_failure, remove_new_kept_logs
 
 SCRIPT = worker("docker_train")
@@ -113,6 +114,40 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
         assert len(setups) == 2
         for rank_attempt, setup in setups.items():
             assert any("bridge shm" in line for line in setup["lines"]), (rank_attempt, setup)
+    assert kaitian_containers(group="cpu0") == [] and kaitian_containers(group="cpu1") == []
+
+
+def test_cpu_host_image_from_a_conda_env_trains_in_that_env(tmp_path):
+    """kaitian installed in a conda env (its own interpreter, libpython beside it,
+    no venv): the cpu-host image built from that env mounts it, and both groups'
+    containers train with the env's interpreter and packages, activated as
+    conda left it, to the parameters the local runtime reaches."""
+    prefix = str(tmp_path / "envs" / "kt")
+    python = conda_style_env(prefix)
+    env = conda_activation(prefix, _env(tmp_path, "train", DOCKER_E2E_BACKEND="kaitian"))
+    tag = "kaitian-test:cpu-host-conda"
+    built = subprocess.run([python, "-m", "kaitian", "images", "build", "cpu-host", "-t", tag],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    try:
+        params = {}
+        for runtime in ("local", "docker"):
+            out = own(str(tmp_path / runtime))
+            proc = subprocess.run([python, "-m", "kaitian.launcher.cli", *_args(runtime, tag)],
+                                  env={**env, "DOCKER_E2E_OUT": out}, cwd=str(tmp_path),
+                                  capture_output=True, text=True, timeout=240)
+            assert proc.returncode == 0, f"{runtime}: {proc.stderr[-3000:]}"
+            params[runtime] = torch.load(os.path.join(out, "params.pt"))
+        where = _records(tmp_path / "docker", "where")
+        assert len(where) == 2
+        for record in where.values():
+            assert record["container"]
+            assert record["prefix"] == prefix and record["executable"] == python
+            assert record["conda_prefix"] == prefix
+        for name, value in params["local"].items():
+            assert torch.equal(value, params["docker"][name]), name
+    finally:
+        engine().images.remove(tag, force=True)
     assert kaitian_containers(group="cpu0") == [] and kaitian_containers(group="cpu1") == []
 
 

@@ -152,6 +152,7 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         assert env["HOME"] == "/tmp"
         # the agent's Python environment (a venv's or conda env's, not its base interpreter)
         assert info["prefix"] == sys.prefix and info["executable"] == os.path.abspath(sys.executable)
+        assert env.get("VIRTUAL_ENV") == (sys.prefix if sys.prefix != sys.base_prefix else "")  # activated
         assert info["affinity"] == [rank]
         assert info["hostname_ns"] == own_ns["net"] and info["ipc_ns"] == own_ns["ipc"]
         assert info["mnt_ns"] != own_ns["mnt"]  # really inside a container

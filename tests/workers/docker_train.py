@@ -2,7 +2,7 @@
 
 DOCKER_E2E_MODE=train: a few DDP steps with a fixed seed on backend
 DOCKER_E2E_BACKEND; rank 0 saves the parameters. Every rank records which
-container (cgroup) it ran in.
+container (cgroup) and Python environment it ran in.
 DOCKER_E2E_MODE=restart: on the first attempt each rank records its pid and
 waits (the test kills one inside its container); on a restart it succeeds.
 DOCKER_E2E_MODE=wait: records its pid and waits to be stopped.
@@ -11,6 +11,7 @@ DOCKER_E2E_MODE=crash: prints a line; rank 1 exits with 3 (ok: every rank exits 
 
 import json
 import os
+import sys
 import time
 
 out = os.environ["DOCKER_E2E_OUT"]
@@ -38,7 +39,8 @@ def container_id():
 
 
 record("where", {"pid": os.getpid(), "container": container_id(), "group": os.environ.get("KAITIAN_GROUP"),
-                 "mnt": os.readlink("/proc/self/ns/mnt")})
+                 "mnt": os.readlink("/proc/self/ns/mnt"), "executable": sys.executable, "prefix": sys.prefix,
+                 "conda_prefix": os.environ.get("CONDA_PREFIX")})
 
 if mode == "train":
     import torch

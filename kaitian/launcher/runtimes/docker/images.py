@@ -29,7 +29,7 @@ from kaitian.errors import DockerOptionError, ImageBuildError, ImageNotFoundErro
 from kaitian.launcher.runtimes.docker.labels import LABEL_HOST_MOUNTS, LABEL_PYTHON
 from kaitian.launcher.runtimes.docker.options import Mount, parse_volume
 
-__all__ = ["build", "TARGETS", "ImageBuildError", "ImageInfo", "image_info", "host_mounts", "host_python", "build_context"]
+__all__ = ["build", "TARGETS", "ImageBuildError", "ImageInfo", "image_info", "host_mounts", "host_python", "host_python_env", "build_context"]
 
 TARGETS = ("cpu-host", "cpu", "cuda", "mlu")
 
@@ -98,6 +98,21 @@ def host_python() -> str:
     is a real file inside the env, so both cases are ``sys.executable``.
     """
     return os.path.abspath(sys.executable)
+
+
+def host_python_env() -> Dict[str, str]:
+    """What activating this interpreter's environment sets, for the ``cpu-host`` image.
+
+    ``VIRTUAL_ENV`` for a virtualenv, ``CONDA_PREFIX`` for a conda env (a
+    prefix with ``conda-meta/``); read from the interpreter, not from the
+    shell, whose variables may name another environment. The host's own
+    values are dropped at ``docker exec`` like all host-software variables.
+    """
+    if sys.prefix != sys.base_prefix:
+        return {"VIRTUAL_ENV": sys.prefix}
+    if os.path.isdir(os.path.join(sys.prefix, "conda-meta")):
+        return {"CONDA_PREFIX": sys.prefix}
+    return {}
 
 
 def host_mounts() -> List[str]:
@@ -196,6 +211,7 @@ def _build_args(target: str, base: Optional[str]) -> Dict[str, str]:
         args["HOST_MOUNTS"] = ",".join(host_mounts())
         args["PYTHON"] = python
         args["PATH_DIRS"] = f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin"
+        args.update(host_python_env())
     return args
 
 
