@@ -552,6 +552,31 @@ void KaitianBackend::exchangeBytes(const uint8_t* blob, int64_t blobLen,
   bridge_->exchange(spec, dl);
 }
 
+void KaitianBackend::checkExchangePlan(const std::vector<int64_t>& sendLen,
+                                       const std::vector<int64_t>& recvLen, const Deadline& dl) {
+  const int W = getSize();
+  if (W <= 2 || bridge_->checksEveryPair()) return;  // a pair of ranks sees its own mismatch
+  std::vector<int64_t> mine(sendLen);
+  mine.insert(mine.end(), recvLen.begin(), recvLen.end());
+  const int64_t nb = static_cast<int64_t>(mine.size() * sizeof(int64_t));
+  std::vector<int64_t> plans(static_cast<size_t>(2 * W) * W);  // rank s: sends[W], then receives[W]
+  std::vector<uint8_t*> rptr(W);
+  for (int s = 0; s < W; ++s) rptr[s] = reinterpret_cast<uint8_t*>(plans.data() + 2 * W * s);
+  exchangeBytes(reinterpret_cast<const uint8_t*>(mine.data()), nb, std::vector<int64_t>(W, 0),
+                std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb), dl);
+  for (int s = 0; s < W; ++s) {
+    for (int d = 0; d < W; ++d) {
+      const int64_t sent = plans[2 * W * s + d], expected = plans[2 * W * d + W + s];
+      if (sent != expected) {
+        dl.breakGroup("tensor sizes differ between ranks in " + dl.id.describe() + ": rank " +
+                      std::to_string(s) + " sends " + std::to_string(sent) + " B to rank " +
+                      std::to_string(d) + ", which expects " + std::to_string(expected) +
+                      " B; every rank must pass matching shapes/split sizes");
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- reductions
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -1129,6 +1154,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall_base(
                      rlen[r] = outS[r] * outRow * es;
                      ro += outS[r];
                    }
+                   checkExchangePlan(len, rlen, dl);
                    exchangeBytes(bytesOf(h), nbytes(h), off, len, rptr, rlen, dl);
                    writeBack(out, ob);
                    return -1;
@@ -1169,6 +1195,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall(std::vector<at::Tensor>&
                      rptr[r] = bytesOf(bufs[r]);
                      rlen[r] = nbytes(outs[r]);
                    }
+                   checkExchangePlan(len, rlen, dl);
                    exchangeBytes(bytesOf(blob), nbytes(blob), off, len, rptr, rlen, dl);
                    for (int r = 0; r < W; ++r) writeBack(outs[r], bufs[r]);
                    return -1;

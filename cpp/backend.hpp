@@ -142,6 +142,11 @@ class KaitianBackend : public c10d::Backend {
   void exchangeBytes(const uint8_t* blob, int64_t blobLen, std::vector<int64_t> sendOff,
                      std::vector<int64_t> sendLen, std::vector<uint8_t*> recvPtr,
                      std::vector<int64_t> recvLen, const Deadline& dl);
+  // Before an exchange whose sizes vary per pair (all-to-all): every rank learns
+  // every rank's send and receive sizes, so a pair that disagrees fails the op on
+  // all ranks, not only on those two (the others' own transfers match).
+  void checkExchangePlan(const std::vector<int64_t>& sendLen,
+                         const std::vector<int64_t>& recvLen, const Deadline& dl);
 
   Layout layout_;
   c10::intrusive_ptr<c10d::Backend> intraDevice_, intraCpu_;

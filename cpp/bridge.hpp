@@ -54,6 +54,10 @@ class Bridge {
   virtual void reduce(ReduceSpec& spec, const Deadline& dl) = 0;
   // Collective all-to-all-v; also a barrier (every rank waits for every other).
   virtual void exchange(const ExchangeSpec& spec, const Deadline& dl) = 0;
+  // Whether exchange() checks every pair's sizes on every rank (all ranks share
+  // one view of the plan). When not, a pair that disagrees is seen only by those
+  // two, and ops whose sizes the op identity does not fix check the plan first.
+  virtual bool checksEveryPair() const { return false; }
   // Point-to-point; may run concurrently with collectives (other threads).
   virtual void send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) = 0;
   // Receives from `src` (or any source when src < 0); returns the source rank.

@@ -34,6 +34,7 @@ class ShmBridge : public Bridge {
   ~ShmBridge() override;
 
   std::string kind() const override { return "shm"; }
+  bool checksEveryPair() const override { return true; }
   void reduce(ReduceSpec& spec, const Deadline& dl) override;
   void exchange(const ExchangeSpec& spec, const Deadline& dl) override;
   void send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) override;

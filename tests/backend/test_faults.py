@@ -100,6 +100,22 @@ def test_mismatched_collectives_raise_on_every_rank(kind: str, env) -> None:
 
 
 @pytest.mark.parametrize("env", _BRIDGES)
+def test_a_pair_that_disagrees_on_split_sizes_fails_the_op_on_every_rank(env) -> None:
+    """Three ranks; only ranks 0 and 1 disagree (on what 0 sends 1). Rank 2's own
+    transfers match, yet its all_to_all raises too, naming that pair."""
+    T = 5.0
+    with _ranks("1+1+1", env, "mismatch-pair-split", T) as (steps, logs):
+        for r in (0, 1, 2):
+            rec = steps.get((r, "mismatch"))
+            assert rec is not None, logs
+            assert not rec["ok"], f"rank {r}: the mismatched all_to_all returned {rec['value']}"
+            assert "rank 0 sends 4 B to rank 1, which expects 8 B" in rec["error"], rec["error"]
+            assert rec["seconds"] < T, rec
+            after = steps[(r, "after")]
+            assert not after["ok"] and "broken" in after["error"], after
+
+
+@pytest.mark.parametrize("env", _BRIDGES)
 def test_a_bad_message_breaks_the_group_on_both_sides(env) -> None:
     with _ranks("1+1", env, "p2p-size", 10.0) as (steps, logs):
         rec = steps[(0, "p2p")]

@@ -11,7 +11,7 @@ Scenarios (``--scenario``):
   naming the first failure; the late rank must not get a value mixed from
   different rounds. Then every rank builds a new kaitian group, which works.
 * ``mismatch-KIND``: rank 0 and the others issue different collectives (KIND =
-  op, size, dtype, root, split, redop); every rank must raise, then a second
+  op, size, dtype, root, split, pair-split, redop); every rank must raise, then a second
   all_reduce must raise too.
 * ``anysource-dead``: the last rank exits after a barrier; rank 0's recv from
   any source must fail well before the timeout.
@@ -119,6 +119,12 @@ def main(argv=None) -> int:
                 inp = torch.ones(sum(ins))
                 res = torch.empty(sum(outs))
                 dist.all_to_all_single(res, inp, outs, ins)
+            elif kind == "pair-split":
+                # only rank 1 disagrees, with rank 0: it expects 2 rows from rank 0, which sends 1;
+                # every other rank's own transfers match
+                ins = [1] * world
+                outs = [2] + [1] * (world - 1) if rank == 1 else [1] * world
+                dist.all_to_all_single(torch.empty(sum(outs)), torch.ones(sum(ins)), outs, ins)
             else:
                 raise SystemExit(f"unknown mismatch kind {kind}")
             return t8.tolist()
