@@ -25,6 +25,7 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--capabilities", default=None, help="e.g. 3,1 (default: kaitian init's)")
     p.add_argument("--no-rebalance", action="store_true", help="keep the capability split")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--log-batches", default=None, help="directory for each rank's batch log")
     p.add_argument("--save", default=None, help="rank 0 writes the trained weights here (JSON)")
     args, _ = p.parse_known_args(argv)
@@ -46,7 +47,8 @@ def make_model() -> torch.nn.Module:
 
 
 class BatchLog:
-    """Appends each optimizer step's sample indices of this rank to ``DIR/rank-R.jsonl``."""
+    """Appends each optimizer step's sample indices of this rank to ``DIR/rank-R.jsonl``
+    (with gradient accumulation: every micro-batch of the step's window)."""
 
     def __init__(self, directory: Optional[str], rank: int) -> None:
         self.path = os.path.join(directory, f"rank-{rank}.jsonl") if directory else None

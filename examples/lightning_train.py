@@ -26,11 +26,12 @@ from common import BatchLog, make_dataset, make_model, parse_args, save_weights,
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, lr: float, log: BatchLog) -> None:
+    def __init__(self, lr: float, log: BatchLog, accumulate: int) -> None:
         super().__init__()
         self.net = make_model()
         self.lr = lr
         self.batch_log = log
+        self.accumulate = accumulate
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -38,7 +39,8 @@ class Regressor(L.LightningModule):
         return F.mse_loss(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.batch_log.step_done()
+        if (batch_idx + 1) % self.accumulate == 0 or self.trainer.is_last_batch:  # the optimizer stepped
+            self.batch_log.step_done()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -53,11 +55,12 @@ def main(argv=None) -> int:
     strategy = KaitianStrategy(rebalance=not args.no_rebalance)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=local, num_nodes=world // local,
-        precision="64-true", max_epochs=args.epochs, logger=False, enable_checkpointing=False,
+        precision="64-true", max_epochs=args.epochs, accumulate_grad_batches=args.accumulate,
+        logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     dataset = make_dataset()
-    module = Regressor(args.lr, BatchLog(args.log_batches, rank))
+    module = Regressor(args.lr, BatchLog(args.log_batches, rank), args.accumulate)
     # Lightning sets up the process group in fit(); the sampler needs the world
     # size now, so it is built in the module's train_dataloader hook.
     module.train_dataloader = lambda: DataLoader(

@@ -17,9 +17,8 @@ What the strategy changes against ``DDPStrategy``:
 * the model is wrapped in :class:`kaitian.DistributedDataParallel`, so the
   gradient is the exact global-batch mean with unequal per-rank batches
   (with ``accumulate_grad_batches`` Lightning divides each micro-batch loss
-  by the number of accumulation steps, the convention kaitian's DDP expects;
-  the test covers accumulation through kaitian's DDP directly, not through
-  Lightning);
+  by the number of accumulation steps, the convention kaitian's DDP expects,
+  so each step is the exact mean over its window; tested through Lightning);
 * Lightning does not re-shard the data: a loader built on a
   :class:`kaitian.DistributedSampler` (``sampler=`` or
   ``batch_sampler=sampler.batch_sampler()``) is kept as it is;
