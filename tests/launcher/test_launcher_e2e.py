@@ -19,6 +19,7 @@ import pytest
 
 from support import REPO, TESTS, WORKERS
 from support.entry_point import entry_point_site
+from support.ranks import free_port
 
 from kaitian.version import versions
 
@@ -371,9 +372,9 @@ def test_two_nodes_different_mixes_train_with_kaitian(tmp_path):
     The same tiny DDP job runs with gloo (c10d rendezvous) and with backend
     kaitian (kaitian rendezvous); final parameters agree.
     """
-    gloo = _two_nodes(tmp_path, "gloo", "gloo", "c10d", 29641)
+    gloo = _two_nodes(tmp_path, "gloo", "gloo", "c10d", free_port())
     # Two agents on one host have separate run directories: the backend bridges them over TCP.
-    kt = _two_nodes(tmp_path, "kaitian", "kaitian", "kaitian", 29642)
+    kt = _two_nodes(tmp_path, "kaitian", "kaitian", "kaitian", free_port())
     for result in (gloo, kt):
         assert sorted(result) == [0, 1, 2]
         groups = [result[r]["KAITIAN_GROUP"] for r in range(3)]
