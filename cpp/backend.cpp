@@ -567,12 +567,7 @@ void KaitianBackend::checkExchangePlan(const std::vector<int64_t>& sendLen,
   for (int s = 0; s < W; ++s) {
     for (int d = 0; d < W; ++d) {
       const int64_t sent = plans[2 * W * s + d], expected = plans[2 * W * d + W + s];
-      if (sent != expected) {
-        dl.breakGroup("tensor sizes differ between ranks in " + dl.id.describe() + ": rank " +
-                      std::to_string(s) + " sends " + std::to_string(sent) + " B to rank " +
-                      std::to_string(d) + ", which expects " + std::to_string(expected) +
-                      " B; every rank must pass matching shapes/split sizes");
-      }
+      if (sent != expected) dl.breakGroup(sizeMismatchText(dl.id, s, d, sent, expected));
     }
   }
 }

@@ -89,6 +89,12 @@ std::string mismatchText(int me, const OpId& mine, int peer, const OpId& theirs)
          "dtype, size and root";
 }
 
+std::string sizeMismatchText(const OpId& id, int src, int dst, int64_t sent, int64_t expected) {
+  return "tensor sizes differ between ranks in " + id.describe() + ": rank " + std::to_string(src) +
+         " sends " + std::to_string(sent) + " B to rank " + std::to_string(dst) + ", which expects " +
+         std::to_string(expected) + " B; every rank must pass matching shapes/split sizes";
+}
+
 bool FailState::record(const OpId& id, const std::string& op, const std::string& why) {
   std::string who = "rank " + std::to_string(rank_) + "'s ";
   who += id.type >= 0 ? id.describe() : op;

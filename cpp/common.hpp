@@ -58,6 +58,8 @@ static_assert(sizeof(OpId) == 40, "OpId is a wire format");
 
 // "rank 0 called all_reduce(float32, 32 B, SUM) but rank 1 called broadcast(...)".
 std::string mismatchText(int me, const OpId& mine, int peer, const OpId& theirs);
+// "tensor sizes differ between ranks in <op>: rank src sends N B to rank dst, which expects M B; ..."
+std::string sizeMismatchText(const OpId& id, int src, int dst, int64_t sent, int64_t expected);
 
 // The fail-stop state of one process group: after the first error every op
 // raises naming it. Shared by the op threads and the bridge.

@@ -633,10 +633,7 @@ void ShmBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
         bad = "rank " + std::to_string(s) + " announced a piece [" + std::to_string(off) + ", +" +
               std::to_string(len) + ") outside its " + std::to_string(blobLen) + "-byte blob";
       } else if (len != metas[d][1 + 2 * W + s]) {
-        bad = "tensor sizes differ between ranks in " + dl.id.describe() + ": rank " +
-              std::to_string(s) + " sends " + std::to_string(len) + " B to rank " +
-              std::to_string(d) + ", which expects " + std::to_string(metas[d][1 + 2 * W + s]) +
-              " B; every rank must pass matching shapes/split sizes";
+        bad = sizeMismatchText(dl.id, s, d, len, metas[d][1 + 2 * W + s]);
       }
     }
   }

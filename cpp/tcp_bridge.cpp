@@ -326,12 +326,7 @@ void TcpBridge::exchange(const ExchangeSpec& spec, const Deadline& dl) {
                        checkFrame(inF[p], p, fd, kData, call, 0, dl);
                        const Frame& f = inF[p];
                        auto sizes = [&](int s, int d, int64_t sent, int64_t expected) {
-                         dl.breakGroup("tensor sizes differ between ranks in " +
-                                       dl.id.describe() + ": rank " + std::to_string(s) +
-                                       " sends " + std::to_string(sent) + " B to rank " +
-                                       std::to_string(d) + ", which expects " +
-                                       std::to_string(expected) +
-                                       " B; every rank must pass matching shapes/split sizes");
+                         dl.breakGroup(sizeMismatchText(dl.id, s, d, sent, expected));
                        };
                        if (f.len != spec.recvLen[p]) sizes(p, rank_, f.len, spec.recvLen[p]);
                        if (f.other != spec.sendLen[p]) sizes(rank_, p, spec.sendLen[p], f.other);
