@@ -1,5 +1,5 @@
-// Host reductions. Memory-bound: the float32/float64 SUM path is a plain loop the
-// compiler vectorises and writes both destinations in one pass (no extra copy).
+// Host reductions. Memory-bound: the float32/float64 SUM and AVG path is a plain
+// loop the compiler vectorises and writes both destinations in one pass (no extra copy).
 #include "host_reduce.hpp"
 
 #include "compat.hpp"
@@ -66,16 +66,26 @@ void applyPremul(const c10d::ReduceOp& op, at::Tensor& t) {
 
 namespace {
 
-template <typename T>
-void sumLoop(const std::vector<const void*>& srcs, int64_t n, T* d0, T* d1) {
+// Sum, divided by `div` after summing when kAvg (the general path's order).
+template <typename T, bool kAvg>
+void sumLoop(const std::vector<const void*>& srcs, int64_t n, T* d0, T* d1, T div) {
   const T* a = static_cast<const T*>(srcs[0]);
   const T* __restrict b = static_cast<const T*>(srcs[1]);
   if (srcs.size() == 2 && d1 != nullptr) {
     T* __restrict o1 = d1;
     for (int64_t i = 0; i < n; ++i) {
-      const T v = a[i] + b[i];
+      T v = a[i] + b[i];
+      if constexpr (kAvg) v /= div;
       d0[i] = v;
       o1[i] = v;
+    }
+    return;
+  }
+  if (srcs.size() == 2) {
+    for (int64_t i = 0; i < n; ++i) {
+      T v = a[i] + b[i];
+      if constexpr (kAvg) v /= div;
+      d0[i] = v;
     }
     return;
   }
@@ -84,7 +94,22 @@ void sumLoop(const std::vector<const void*>& srcs, int64_t n, T* d0, T* d1) {
     const T* __restrict s = static_cast<const T*>(srcs[k]);
     for (int64_t i = 0; i < n; ++i) d0[i] += s[i];
   }
+  if constexpr (kAvg) {
+    for (int64_t i = 0; i < n; ++i) d0[i] /= div;
+  }
   if (d1 != nullptr) std::memcpy(d1, d0, n * sizeof(T));
+}
+
+template <typename T>
+void fusedSum(const std::vector<const void*>& srcs, int64_t n, void* d0, void* d1,
+              int64_t divisor) {
+  auto* o0 = static_cast<T*>(d0);
+  auto* o1 = static_cast<T*>(d1);
+  if (divisor == 1) {
+    sumLoop<T, false>(srcs, n, o0, o1, T(1));
+  } else {
+    sumLoop<T, true>(srcs, n, o0, o1, static_cast<T>(divisor));
+  }
 }
 
 at::Tensor view(const void* p, int64_t n, at::ScalarType dtype) {
@@ -105,13 +130,15 @@ void Reducer::operator()(const std::vector<const void*>& srcs, int64_t count, vo
       return;
     }
   }
-  const bool plainSum = op == Op::SUM || op == Op::PREMUL_SUM;
-  if (plainSum && srcs.size() >= 2 && dtype == at::kFloat) {
-    sumLoop<float>(srcs, count, static_cast<float*>(dst0), static_cast<float*>(dst1));
+  // float32/float64 SUM and AVG (DDP's gradient mean) take the fused loop.
+  const bool sumLike = op == Op::SUM || op == Op::PREMUL_SUM || op == Op::AVG;
+  const int64_t div = op == Op::AVG ? divisor : 1;
+  if (sumLike && srcs.size() >= 2 && dtype == at::kFloat) {
+    fusedSum<float>(srcs, count, dst0, dst1, div);
     return;
   }
-  if (plainSum && srcs.size() >= 2 && dtype == at::kDouble) {
-    sumLoop<double>(srcs, count, static_cast<double*>(dst0), static_cast<double*>(dst1));
+  if (sumLike && srcs.size() >= 2 && dtype == at::kDouble) {
+    fusedSum<double>(srcs, count, dst0, dst1, div);
     return;
   }
   // General path: accumulate in a private tensor (float32 for half types so that
