@@ -33,6 +33,7 @@ broadcast, re-balancing rounds). The re-balancer and the monitor read these.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import weakref
@@ -54,6 +55,11 @@ from kaitian.training.weighting import StepCheck, check_steps
 __all__ = ["DistributedDataParallel", "StepTiming", "has_batch_norm"]
 
 _log = logging.getLogger(__name__)
+
+_AVERAGING_BACKENDS = ("kaitian", "nccl")  # ReduceOp.AVG in one pass (gloo has none)
+# Index of gradient_as_bucket_view among torch DDP's positional arguments, self excluded.
+_BUCKET_VIEW_POSITION = list(inspect.signature(_TorchDDP.__init__).parameters).index(
+    "gradient_as_bucket_view") - 1
 
 
 @dataclass
@@ -158,6 +164,13 @@ class _StepState:
 class DistributedDataParallel(_TorchDDP):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments).
 
+    One default differs: ``gradient_as_bucket_view=True`` (torch: ``False``),
+    so gradients live in DDP's communication buckets. That saves a copy of
+    every gradient after each allreduce and one gradient's worth of memory -
+    per-step costs that a slow device's rank pays at its own speed. Pass
+    ``gradient_as_bucket_view=False`` for torch's behaviour (e.g. code that
+    replaces or ``detach_()``-es ``param.grad``).
+
     Gradients are the per-sample mean over the global batch even when ranks
     hold different batch sizes (the short last batch of an epoch too),
     assuming the loss on each rank is the mean over its local batch (the
@@ -181,6 +194,8 @@ class DistributedDataParallel(_TorchDDP):
         timing_history: int = 4096,
         **kwargs: Any,
     ) -> None:
+        if len(args) < _BUCKET_VIEW_POSITION:  # not passed positionally
+            kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(*args, **kwargs)
         from kaitian.training.sampler import latest_sampler
         from kaitian.training.steps import recorder_for_this_rank
@@ -191,6 +206,8 @@ class DistributedDataParallel(_TorchDDP):
         self._kt_user_hook: Optional[tuple] = None
         self._kt_builtin_hook = None
         self._kt_hook_registered = False
+        # Backends that average in their reduction pass; others get torch's divide-then-sum.
+        self._kt_avg_op = dist.get_backend(self.process_group) in _AVERAGING_BACKENDS
         self._kt_step_listeners = Listeners()
         self._kt_before_step = Listeners()
         self._kt_vote: Optional[Callable[[], bool]] = None
@@ -416,8 +433,12 @@ def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as rea
     group = ddp.process_group
     if ddp._kt_user_hook is None:
         buffer = bucket.buffer()
-        buffer.div_(group.size())
-        reduced = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        if ddp._kt_avg_op:
+            op = dist.ReduceOp.AVG
+        else:
+            buffer.div_(group.size())
+            op = dist.ReduceOp.SUM
+        reduced = dist.all_reduce(buffer, op=op, group=group, async_op=True).get_future()
     else:
         user_state, user_hook = ddp._kt_user_hook
         reduced = user_hook(user_state, bucket)
