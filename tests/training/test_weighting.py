@@ -40,6 +40,16 @@ def test_exact_against_one_process(results, case, mode):
 
 
 @pytest.mark.parametrize("case", ["unequal", "coupled", "no_sync"])
+def test_gradients_in_the_buckets_by_default_and_exact_either_way(results, case):
+    """kaitian's DDP keeps gradients in the buckets unless told otherwise; both are exact."""
+    for rank in results:
+        assert rank[(case, "kaitian")]["bucket_view"] is True
+        assert rank[(case, "torch")]["bucket_view"] is False
+        copy = rank[(case, "kaitian-copy")]
+        assert copy["bucket_view"] is False and copy["worst"] < 1e-9, copy
+
+
+@pytest.mark.parametrize("case", ["unequal", "coupled", "no_sync"])
 def test_torch_ddp_alone_is_off(results, case):
     """The control: averaging unequal batches without weighting is measurably wrong."""
     assert all(rank[(case, "plain")]["worst"] > 1e-3 for rank in results)

@@ -95,9 +95,11 @@ def run(case, mode, rank, world):
     lengths = torch.randint(1, 5, (400,), generator=g)
     net = Net(case, distributed=True)
     ref = Net(case, distributed=False)
-    if mode == "kaitian":
+    if mode in ("kaitian", "kaitian-copy"):
         count = (lambda inputs, kwargs: int(inputs[1].sum())) if case == "tokens" else None
-        model = kaitian.DistributedDataParallel(net, count_samples=count)
+        # kaitian-copy: torch's default of copying gradients out of the buckets
+        extra = {"gradient_as_bucket_view": False} if mode == "kaitian-copy" else {}
+        model = kaitian.DistributedDataParallel(net, count_samples=count, **extra)
     else:
         model = TorchDDP(net)
     if case == "builtin_hook":
@@ -145,7 +147,7 @@ def run(case, mode, rank, world):
             ctx = model.no_sync() if not last else _null()
             with ctx:
                 loss, n = loss_of(case, model, *data_for(case, idx, x, y, lengths))
-                if mode == "kaitian":
+                if mode in ("kaitian", "kaitian-copy"):
                     (loss / len(mine)).backward()  # the usual accumulation convention
                 elif mode == "plain":  # torch's DDP alone: the control that must be off
                     (loss / len(mine)).backward()
@@ -162,7 +164,8 @@ def run(case, mode, rank, world):
             worst = max(worst, (p.detach() - q.detach()).abs().max().item())
     if context is not None:
         context.__exit__(None, None, None)
-    return {"worst": worst, "steps": len(steps)}
+    return {"worst": worst, "steps": len(steps),
+            "bucket_view": bool(getattr(model, "gradient_as_bucket_view", False))}
 
 
 class _null:
@@ -223,8 +226,8 @@ def main():
         end_process_group()
         return
     for case in args.cases.split(","):
-        for mode in ("kaitian", "torch", "plain"):
-            if mode == "plain" and case not in ("unequal", "coupled", "no_sync"):
+        for mode in ("kaitian", "kaitian-copy", "torch", "plain"):
+            if mode in ("plain", "kaitian-copy") and case not in ("unequal", "coupled", "no_sync"):
                 continue
             result = run(case, mode, rank, world)
             out.write(json.dumps({"case": case, "mode": mode, **result}) + "\n")
