@@ -44,6 +44,11 @@ __all__ = ["main"]
 
 _MODES = ("solo", "equal", "static", "rebalance")
 _PARALLEL = _MODES[1:]
+_LABELS = {
+    "equal": "equal split",
+    "static": "static capability split",
+    "rebalance": "online re-balancing",
+}
 
 
 def _phases(cycle: int) -> List[str]:
@@ -51,11 +56,6 @@ def _phases(cycle: int) -> List[str]:
     the data-parallel modes, rotated by one position each cycle."""
     k = cycle % len(_PARALLEL)
     return ["solo", *_PARALLEL[k:], *_PARALLEL[:k]]
-_LABELS = {
-    "equal": "equal split",
-    "static": "static capability split",
-    "rebalance": "online re-balancing",
-}
 
 
 def _parser() -> argparse.ArgumentParser:
