@@ -81,14 +81,6 @@ void sumLoop(const std::vector<const void*>& srcs, int64_t n, T* d0, T* d1, T di
     }
     return;
   }
-  if (srcs.size() == 2) {
-    for (int64_t i = 0; i < n; ++i) {
-      T v = a[i] + b[i];
-      if constexpr (kAvg) v /= div;
-      d0[i] = v;
-    }
-    return;
-  }
   for (int64_t i = 0; i < n; ++i) d0[i] = a[i] + b[i];
   for (size_t k = 2; k < srcs.size(); ++k) {
     const T* __restrict s = static_cast<const T*>(srcs[k]);
