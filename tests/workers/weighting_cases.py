@@ -95,7 +95,7 @@ def run(case, mode, rank, world):
     lengths = torch.randint(1, 5, (400,), generator=g)
     net = Net(case, distributed=True)
     ref = Net(case, distributed=False)
-    if mode in ("kaitian", "kaitian-copy"):
+    if mode.startswith("kaitian"):
         count = (lambda inputs, kwargs: int(inputs[1].sum())) if case == "tokens" else None
         # kaitian-copy: torch's default of copying gradients out of the buckets
         extra = {"gradient_as_bucket_view": False} if mode == "kaitian-copy" else {}
@@ -147,13 +147,12 @@ def run(case, mode, rank, world):
             ctx = model.no_sync() if not last else _null()
             with ctx:
                 loss, n = loss_of(case, model, *data_for(case, idx, x, y, lengths))
-                if mode in ("kaitian", "kaitian-copy"):
-                    (loss / len(mine)).backward()  # the usual accumulation convention
-                elif mode == "plain":  # torch's DDP alone: the control that must be off
-                    (loss / len(mine)).backward()
-                else:
+                if mode == "torch":
                     total = window_total if case in ("no_sync", "join") else None
                     kaitian.scale_loss(loss, count=n, total=total).backward()
+                else:  # the usual accumulation convention: kaitian's DDP weights it
+                    # itself; "plain" is torch's DDP alone, the control that must be off
+                    (loss / len(mine)).backward()
         opt.step()
         union = [i for m in micro for part in m for i in part]
         ref_opt.zero_grad()
