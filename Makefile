@@ -17,7 +17,7 @@ export KAITIAN_TORCH := $(TORCH)
 export KAITIAN_VENV := $(VENV)
 export KAITIAN_EXTRAS := $(EXTRAS)
 
-.PHONY: setup demo test docker-engine
+.PHONY: setup demo test pytest docker-engine
 
 setup:
 	bash scripts/setup.sh
@@ -29,9 +29,20 @@ demo: setup
 # user, the docker tests say how to get one when none answers.
 test: setup
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/docker-engine.sh; fi
-	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
-	if [ $$rc = 5 ]; then echo "make test: pytest collected no tests from '$(PYTEST_ARGS)' (exit 5)"; fi; \
-	exit $$rc
+	@$(MAKE) --no-print-directory pytest
+
+# The suite without the setup step, in two passes (tests/conftest.py): all but
+# the `serial` tests on $(JOBS) pytest workers (pytest-xdist, a file per
+# worker), then the `serial` ones alone. A pass that selects nothing is fine;
+# both selecting nothing is an error.
+JOBS ?= 2
+pytest:
+	@export PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; rc=0; \
+	$(VENV)/bin/python -m pytest -n $(JOBS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	srl=0; $(VENV)/bin/python -m pytest -m serial $(PYTEST_ARGS) || srl=$$?; \
+	if [ $$rc = 5 ] && [ $$srl = 5 ]; then echo "make test: pytest collected no tests from '$(PYTEST_ARGS)' (exit 5)"; exit 5; fi; \
+	[ $$rc = 5 ] && rc=0; [ $$srl = 5 ] && srl=0; \
+	[ $$rc = 0 ] || exit $$rc; exit $$srl
 
 docker-engine:
 	bash scripts/docker-engine.sh

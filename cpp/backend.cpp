@@ -25,6 +25,8 @@ uint8_t* bytesOf(const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr(
 // Data movement stages device tensors in pageable host memory with blocking
 // copies on the op's stream (no pinned buffer as large as the tensor per call);
 // reductions, the large-volume path, go through reused pinned segment buffers.
+// The host first waited, under the op's deadline, for the device work the op
+// depends on (enqueue), so a blocking copy waits for nothing but itself.
 
 // A contiguous host tensor holding t's values (t itself when it already is one).
 at::Tensor hostCopyOf(const at::Tensor& t) {
@@ -47,10 +49,17 @@ void writeBack(at::Tensor& t, const at::Tensor& h) {
 // Waits for a device event without blocking in the driver, so that the
 // deadline and shutdown/abort are noticed (a peer missing from a vendor
 // collective queued before it would otherwise hold this thread forever).
-void waitEvent(const c10::Event& ev, const Deadline& dl, const char* what) {
+// `watch` (if any) runs between polls too, every few milliseconds.
+void waitEvent(const c10::Event& ev, const Deadline& dl, const std::string& what,
+               const std::function<void()>& watch = {}) {
   const auto spinUntil = Clock::now() + std::chrono::microseconds(50);
+  auto nextWatch = Clock::now();
   while (!ev.query()) {
     dl.check(what);
+    if (watch && Clock::now() >= nextWatch) {
+      watch();
+      nextWatch = Clock::now() + std::chrono::milliseconds(2);
+    }
     if (Clock::now() < spinUntil) {
       std::this_thread::yield();
     } else {
@@ -59,7 +68,8 @@ void waitEvent(const c10::Event& ev, const Deadline& dl, const char* what) {
   }
 }
 
-// Orders the progress thread's device work after what the caller queued so far.
+// Orders the progress thread's device work after what the caller queued so far
+// (`ready`, recorded on the caller's current stream).
 struct DeviceSync {
   DeviceSync(c10::Device d, c10::Stream s) : device(d), side(s), ready(d.type()) {}
   c10::Device device;
@@ -67,8 +77,9 @@ struct DeviceSync {
   c10::Event ready;
 };
 
-std::shared_ptr<DeviceSync> makeDeviceSync(const std::vector<at::Tensor>& tensors,
-                                           const char* op) {
+// `device`: the op's device when no tensor names one (a barrier's).
+std::shared_ptr<DeviceSync> makeDeviceSync(const std::vector<at::Tensor>& tensors, const char* op,
+                                           std::optional<c10::Device> device) {
   std::optional<c10::Device> dev;
   for (const auto& t : tensors) {
     if (!t.defined() || t.is_cpu()) continue;
@@ -79,6 +90,7 @@ std::shared_ptr<DeviceSync> makeDeviceSync(const std::vector<at::Tensor>& tensor
                   "; kaitian drives one device per process, move them to one device");
     }
   }
+  if (!dev) dev = device;
   if (!dev) return nullptr;
   c10::impl::VirtualGuardImpl impl(dev->type());
   auto sync = std::make_shared<DeviceSync>(*dev, impl.getStreamFromGlobalPool(*dev));
@@ -102,10 +114,12 @@ std::shared_ptr<DeviceSync> makeDeviceSync(const std::vector<at::Tensor>& tensor
 
 }  // namespace
 
-// Two pinned host buffers that device segments pass through on the collectives
-// thread, each at most one segment, reused across calls. landed[i]: the copy
-// into buffer i arrived; freed[i]: the copy out of it finished (the buffer may
-// be refilled); back: the last copy back, which the op's stream waits for.
+// Two pinned host buffers that one device's segments pass through on the
+// collectives thread, each at most one segment, reused across calls. landed[i]:
+// the copy into buffer i arrived; freed[i]: the copy out of it finished (the
+// buffer may be refilled); back: the last copy back, which the op's stream
+// waits for. One ring per device: an event belongs to the device it first
+// recorded on.
 struct PinnedRing {
   explicit PinnedRing(c10::DeviceType type) : back(type) {
     for (int i = 0; i < 2; ++i) {
@@ -194,6 +208,20 @@ std::string errorText(const std::exception_ptr& e) {
   }
 }
 
+// The non-empty ranges covering a and b, in order (merged when they touch).
+std::vector<Range> unionOf(Range a, Range b) {
+  std::vector<Range> out;
+  if (a.size() == 0 || (b.size() > 0 && b.begin < a.begin)) std::swap(a, b);
+  if (a.size() == 0) return out;
+  if (b.size() > 0 && b.begin <= a.end) {
+    out.push_back(Range{a.begin, std::max(a.end, b.end)});
+  } else {
+    out.push_back(a);
+    if (b.size() > 0) out.push_back(b);
+  }
+  return out;
+}
+
 void checkOne(const char* op, size_t n) {
   TORCH_CHECK(n == 1, "kaitian ", op, ": expects exactly one tensor per rank, got ", n,
               " (kaitian drives one device per process)");
@@ -231,6 +259,9 @@ KaitianBackend::KaitianBackend(int rank, int size, std::chrono::milliseconds tim
         gaps_[g].dtypes.push_back(dt->second);
       }
     }
+  }
+  for (int r = 0; r < size; ++r) {
+    if (layout_.groupOf[r] == layout_.groupOf[rank]) groupMembers_.push_back(r);
   }
   collectives_ = std::make_unique<OpQueue>("kaitian-coll");
   sends_ = std::make_unique<OpQueue>("kaitian-send");
@@ -271,7 +302,43 @@ void KaitianBackend::stopAll(bool abort) {
 }
 
 void KaitianBackend::waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
-                                const c10::intrusive_ptr<c10d::Work>& work, const Deadline& dl) {
+                                const c10::intrusive_ptr<c10d::Work>& work,
+                                const c10::Device& device, const Deadline& dl) {
+  const std::string step = "the intra-group step (" + vendor->getBackendName() + ")";
+  // A vendor op we stop waiting for keeps waiting for its peer on the
+  // vendor's threads or device: shutdown leaves that vendor to the process.
+  auto giveUp = [&] {
+    std::lock_guard<std::mutex> l(abandonedMu_);
+    abandoned_.insert(vendor.get());
+  };
+  // The vendor knows nothing of kaitian's fail-stop: a peer that broke the
+  // group, or a member of this group that died or left, would show only as
+  // the vendor's hang until the deadline (or its transport error). The bridge
+  // sees them: watch it while waiting. A member may leave right after its
+  // share of the step, so a gone member counts only if the step does not then
+  // finish within a short grace.
+  const std::vector<int>& members = groupMembers_;
+  // A device vendor reports what went wrong on the device through its Work
+  // once done (NCCL: an asynchronous error).
+  auto failedOnDevice = [&] { return work->isCompleted() && work->exception() != nullptr; };
+  auto watch = [&](const std::function<bool()>& finished) {
+    if (!bridge_) return;
+    std::string gone;
+    try {
+      gone = bridge_->watchPeers(members, dl, step);
+    } catch (...) {
+      giveUp();
+      throw;
+    }
+    if (gone.empty()) return;
+    const auto grace = Clock::now() + std::chrono::milliseconds(200);
+    while (Clock::now() < grace) {
+      if (finished()) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    giveUp();
+    dl.breakGroup(gone);
+  };
   // The vendor's own wait may block up to its timeout, deaf to our abort (gloo
   // has none): wait for its future in slices that check the deadline and stop_.
   c10::intrusive_ptr<c10::ivalue::Future> fut;
@@ -294,17 +361,52 @@ void KaitianBackend::waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
     std::unique_lock<std::mutex> lock(wake->mu);
     while (!fut->completed()) {
       try {
-        dl.check("the intra-group step (" + vendor->getBackendName() + ")");
+        dl.check(step);
       } catch (...) {
-        std::lock_guard<std::mutex> l(abandonedMu_);
-        abandoned_.insert(vendor.get());
+        giveUp();
         throw;
       }
+      lock.unlock();
+      watch([&] { return fut->completed(); });
+      lock.lock();
       wake->cv.wait_for(lock, std::chrono::milliseconds(10));
     }
   }
-  // Rethrows the vendor's error; for device work, orders the current stream after it.
-  work->wait();
+  // Rethrows the vendor's error (a peer's failure or death named instead, when
+  // the bridge knows of it); for device work, orders the current stream after it.
+  try {
+    work->wait();
+  } catch (...) {
+    watch([] { return false; });
+    throw;
+  }
+  // The step finished here; if a peer broke the group meanwhile (it gave up
+  // on this step before this rank arrived), this rank fails the step too.
+  auto peersStillOk = [&] {
+    if (bridge_) bridge_->watchPeers({}, dl, step);
+  };
+  if (device.is_cpu()) {
+    peersStillOk();
+    return;
+  }
+  // A device vendor's future completes once its kernel is queued (NCCL's), and
+  // the kernel waits on the device for the peers: wait for it here, where the
+  // deadline is checked, not in a later copy that would block without one.
+  c10::impl::VirtualGuardImpl impl(device.type());
+  c10::Event done(device.type());
+  done.record(impl.getStream(device));
+  try {
+    waitEvent(done, dl, "the device work of " + step,
+              [&] { watch([&] { return done.query() && !failedOnDevice(); }); });
+    if (failedOnDevice()) {
+      watch([] { return false; });  // a gone peer is the cause to name
+      std::rethrow_exception(work->exception());
+    }
+  } catch (...) {
+    giveUp();
+    throw;
+  }
+  peersStillOk();
 }
 
 c10::intrusive_ptr<c10d::Backend> KaitianBackend::soleVendor(
@@ -322,16 +424,15 @@ c10::intrusive_ptr<c10d::Backend> KaitianBackend::soleVendor(
                                                           : c10::intrusive_ptr<c10d::Backend>();
 }
 
-PinnedRing& KaitianBackend::pinnedRing(c10::DeviceType type, int64_t bytes) {
-  if (!ring_) ring_ = std::make_unique<PinnedRing>(type);
-  for (auto& b : ring_->buf) {
+PinnedRing& KaitianBackend::pinnedRing(const c10::Device& device, int64_t bytes) {
+  auto& ring = rings_[device];
+  if (!ring) ring = std::make_unique<PinnedRing>(device.type());
+  for (auto& b : ring->buf) {
     // A replaced buffer goes back to torch's pinned cache, which keeps it until
     // the copies recorded on it finished.
-    if (!b.defined() || b.numel() < bytes) {
-      b = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    }
+    if (!b.defined() || b.numel() < bytes) b = compat::pinnedBytes(bytes, device.type());
   }
-  return *ring_;
+  return *ring;
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType type,
@@ -339,11 +440,12 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
                                                        std::vector<at::Tensor> outputs,
                                                        std::vector<at::Tensor> deviceTensors,
                                                        std::chrono::milliseconds timeout,
-                                                       Body body) {
+                                                       Body body,
+                                                       std::optional<c10::Device> device) {
   TORCH_CHECK(!stop_.load(), "kaitian ", name,
               ": the process group was shut down; create a new one");
   if (fail_.broken()) fail_.raise(name);
-  auto sync = makeDeviceSync(deviceTensors, name);
+  auto sync = makeDeviceSync(deviceTensors, name, device);
   std::vector<c10::Device> devices;
   if (sync) devices.push_back(sync->device);
   auto work = c10::make_intrusive<KaitianWork>(getRank(), type, name, devices);
@@ -368,6 +470,12 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::enqueue(OpQueue& queue, OpType ty
           }
           if (fail_.broken()) fail_.raise(opName);  // broken while this op was queued
           const auto dl = Deadline::after(limit, opName, &stop_, &fail_, id);
+          // The host touches the op's data only once the device work it
+          // depends on is done: waited for here, under the deadline (a
+          // blocking copy would wait for it in the driver, deaf to both).
+          if (sync) {
+            waitEvent(sync->ready, dl, "the device work queued before it on " + sync->device.str());
+          }
           const int src = body(dl);
           work->markDone(outputs, src);
         } catch (...) {
@@ -448,7 +556,7 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     o.reduceOp = RedOp(vendorOp);
     o.timeout = dl.timeout;
     std::vector<at::Tensor> v{flat};
-    waitVendor(vendor, vendor->allreduce(v, o), dl);
+    waitVendor(vendor, vendor->allreduce(v, o), flat.device(), dl);
   }
   if (groups.size() == 1) {
     // One source holds all the data (world size 1, or one vendor group): the
@@ -465,8 +573,8 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
   Reducer reducer{base, dtype, W};
   const int64_t n = flat.numel();
   const int64_t segElems = std::max<int64_t>(1, layout_.segmentBytes / flat.element_size());
-  // One segment through the bridge; identical segmentation on every rank.
-  auto reduceSegment = [&](at::Tensor buf, int64_t begin) {
+  // The bridge call of the segment at `begin` on `buf`; identical segmentation on every rank.
+  auto segmentSpec = [&](at::Tensor buf, int64_t begin) {
     const Range seg{begin, begin + buf.numel()};
     std::vector<Range> st(W);
     for (int r = 0; r < W; ++r) {
@@ -477,23 +585,26 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
         st[r] = x.size() > 0 ? Range{x.begin - begin, x.end - begin} : Range{0, 0};
       }
     }
-    ReduceSpec spec{buf, std::move(st), gather, groups, groupOf, reducer};
-    bridge_->reduce(spec, dl);
+    return ReduceSpec{buf, std::move(st), gather, groups, groupOf, reducer};
   };
   if (flat.is_cpu()) {
     for (int64_t b = 0; b < n; b += segElems) {
-      reduceSegment(flat.narrow(0, b, std::min(segElems, n - b)), b);
+      auto spec = segmentSpec(flat.narrow(0, b, std::min(segElems, n - b)), b);
+      bridge_->reduce(spec, dl);
     }
     return;
   }
   // Device tensor: segment k+1's copy to the host (on the op's stream) runs
   // while segment k is on the bridge; results go back on a second stream. Two
-  // reused pinned buffers of at most one segment carry them.
+  // reused pinned buffers of at most one segment carry them. Only what this
+  // rank's bridge call reads (its share of its group's partial, its stripe)
+  // goes to the host, and only what it writes (its stripe, or every stripe
+  // when gathering) comes back.
   const c10::Device dev = flat.device();
   c10::impl::VirtualGuardImpl impl(dev.type());
   const c10::Stream side = impl.getStream(dev);
   const c10::Stream h2d = impl.getStreamFromGlobalPool(dev);
-  PinnedRing& ring = pinnedRing(dev.type(), std::min(segElems, n) * flat.element_size());
+  PinnedRing& ring = pinnedRing(dev, std::min(segElems, n) * flat.element_size());
   // Whatever happens below (errors included), the op's stream waits for the
   // copies back before its tensors are read, completed or released.
   struct JoinBack {
@@ -509,10 +620,24 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     }
   } join{ring, h2d, side};
   auto lenOf = [&](int64_t k) { return std::min(segElems, n - k * segElems); };
+  auto specOf = [&](int64_t k) {
+    return segmentSpec(ring.slot(static_cast<int>(k % 2), lenOf(k), dtype), k * segElems);
+  };
+  // Copies `ranges` of a segment from `src` to `dst` (device or slot), non-blocking.
+  auto copy = [&](const at::Tensor& dst, const at::Tensor& src, const std::vector<Range>& ranges,
+                  std::atomic<int64_t>& counter) {
+    for (const Range& r : ranges) {
+      if (r.size() == 0) continue;
+      dst.narrow(0, r.begin, r.size()).copy_(src.narrow(0, r.begin, r.size()), /*non_blocking=*/true);
+      counter += r.size() * flat.element_size();
+    }
+  };
   auto copyIn = [&](int64_t k) {
     const int i = static_cast<int>(k % 2);
     ring.freed[i].block(side);  // the buffer's previous copy back (any earlier op) is done
-    ring.slot(i, lenOf(k), dtype).copy_(flat.narrow(0, k * segElems, lenOf(k)), /*non_blocking=*/true);
+    const auto spec = specOf(k);
+    copy(spec.buf, flat.narrow(0, k * segElems, lenOf(k)),
+         unionOf(publishRange(spec, me), spec.stripes[me]), stagedIn_);
     ring.landed[i].record(side);
   };
   const int64_t segs = (n + segElems - 1) / segElems;
@@ -521,13 +646,34 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     const int i = static_cast<int>(k % 2);
     if (k + 1 < segs) copyIn(k + 1);
     waitEvent(ring.landed[i], dl, "the device-to-host copy");
-    at::Tensor host = ring.slot(i, lenOf(k), dtype);
-    reduceSegment(host, k * segElems);
+    auto spec = specOf(k);
+    bridge_->reduce(spec, dl);
     impl.exchangeStream(h2d);
-    flat.narrow(0, k * segElems, lenOf(k)).copy_(host, /*non_blocking=*/true);
+    copy(flat.narrow(0, k * segElems, lenOf(k)), spec.buf,
+         {gather ? Range{0, lenOf(k)} : spec.stripes[me]}, stagedOut_);
     ring.freed[i].record(h2d);
     impl.exchangeStream(side);
   }
+}
+
+int KaitianBackend::meetEmpty(const Deadline& dl) {
+  const int W = getSize();
+  if (W > 1) {
+    exchangeBytes(nullptr, 0, std::vector<int64_t>(W, 0), std::vector<int64_t>(W, 0),
+                  std::vector<uint8_t*>(W, nullptr), std::vector<int64_t>(W, 0), dl);
+  }
+  return -1;
+}
+
+void KaitianBackend::breakOnLocalError(const char* op) {
+  auto error = std::current_exception();
+  // Not when the group is already broken or shut down: that is the error.
+  if (!stop_.load() && !fail_.broken()) {
+    OpId id;
+    id.seq = collectiveSeq_.load() + 1;  // the number this call would have had
+    if (fail_.record(id, op, errorText(error)) && bridge_) bridge_->poison(fail_.first());
+  }
+  std::rethrow_exception(error);
 }
 
 void KaitianBackend::exchangeBytes(const uint8_t* blob, int64_t blobLen,
@@ -575,7 +721,7 @@ void KaitianBackend::checkExchangePlan(const std::vector<int64_t>& sendLen,
 // ---------------------------------------------------------------- reductions
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>& tensors,
-                                                         const c10d::AllreduceOptions& opts) {
+                                                         const c10d::AllreduceOptions& opts) try {
   checkOne("allreduce", tensors.size());
   at::Tensor t = tensors[0];
   if (t.is_sparse()) return allreduceSparse(t, opts);
@@ -585,12 +731,14 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>
   const RedOp op = opts.reduceOp;
   return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", opId(OpType::ALLREDUCE, t, -1, op),
                  tensors, tensors, opts.timeout, [this, t, op](const Deadline& dl) mutable {
-                   if (t.numel() == 0) return -1;
+                   if (t.numel() == 0) return meetEmpty(dl);
                    at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
                    reduceFlat(flat, op, {}, true, dl);
                    if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("allreduce");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduceSparse(
@@ -639,7 +787,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduceSparse(
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) try {
   TORCH_CHECK(!tensors.empty(), "kaitian allreduce_coalesced: no tensors given");
   for (const auto& t : tensors) {
     TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
@@ -656,7 +804,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
                    std::vector<at::Tensor> flats;
                    for (auto& t : ts) flats.push_back(t.reshape({-1}));
                    at::Tensor flat = at::cat(flats);
-                   if (flat.numel() == 0) return -1;
+                   if (flat.numel() == 0) return meetEmpty(dl);
                    reduceFlat(flat, op, {}, true, dl);
                    int64_t off = 0;
                    for (auto& t : ts) {
@@ -665,10 +813,12 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
                    }
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("allreduce_coalesced");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& tensors,
-                                                      const c10d::ReduceOptions& opts) {
+                                                      const c10d::ReduceOptions& opts) try {
   checkOne("reduce", tensors.size());
   at::Tensor t = tensors[0];
   checkReduceSupported("reduce", opts.reduceOp.op_, t.scalar_type());
@@ -679,14 +829,14 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& t
   return enqueue(*collectives_, OpType::REDUCE, "reduce", opId(OpType::REDUCE, t, root, op),
                  tensors, tensors, opts.timeout,
                  [this, t, op, root](const Deadline& dl) mutable {
-                   if (t.numel() == 0) return -1;
+                   if (t.numel() == 0) return meetEmpty(dl);
                    if (auto vendor = soleVendor({t}, op.op_)) {
                      std::vector<at::Tensor> v{t};
                      c10d::ReduceOptions o;
                      o.reduceOp = op;
                      o.rootRank = root;
                      o.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->reduce(v, o), dl);
+                     waitVendor(vendor, vendor->reduce(v, o), t.device(), dl);
                      return -1;
                    }
                    const bool isRoot = getRank() == root;
@@ -699,11 +849,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& t
                    if (isRoot && flat.data_ptr() != t.data_ptr()) t.copy_(flat.view(t.sizes()));
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("reduce");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+    const c10d::ReduceScatterOptions& opts) try {
   checkOne("reduce_scatter", outputs.size());
   checkOne("reduce_scatter", inputs.size());
   at::Tensor out = outputs[0];
@@ -719,7 +871,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter(
                  opId(OpType::REDUCE_SCATTER, out, -1, op), outputs, all,
                  opts.timeout, [this, out, ins, op](const Deadline& dl) mutable {
                    const int64_t m = out.numel();
-                   if (m == 0) return -1;
+                   if (m == 0) return meetEmpty(dl);
                    std::vector<at::Tensor> flats;
                    for (auto& t : ins) flats.push_back(t.reshape({-1}));
                    at::Tensor flat = at::cat(flats);
@@ -729,10 +881,12 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter(
                    out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("reduce_scatter");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
-    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) try {
   at::Tensor out = output, in = input;
   TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian reduce_scatter_tensor: input dtype ",
               in.scalar_type(), " differs from output dtype ", out.scalar_type());
@@ -745,12 +899,12 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
                  opId(OpType::_REDUCE_SCATTER_BASE, out, -1, op), {out},
                  {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
                    const int64_t m = out.numel();
-                   if (m == 0) return -1;
+                   if (m == 0) return meetEmpty(dl);
                    if (auto vendor = soleVendor({in, out}, op.op_)) {
                      c10d::ReduceScatterOptions o;
                      o.reduceOp = op;
                      o.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->_reduce_scatter_base(out, in, o), dl);
+                     waitVendor(vendor, vendor->_reduce_scatter_base(out, in, o), out.device(), dl);
                      return -1;
                    }
                    at::Tensor flat = scratchCopy(in);
@@ -760,11 +914,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
                    out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("reduce_scatter_tensor");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+    const c10d::ReduceScatterOptions& opts) try {
   TORCH_CHECK(outputs.size() == inputs.size(), "kaitian reduce_scatter_tensor_coalesced: ",
               outputs.size(), " outputs but ", inputs.size(), " inputs");
   for (size_t i = 0; i < outputs.size(); ++i) {
@@ -784,6 +940,9 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
                  opId(compat::kReduceScatterTensorCoalesced, outs, -1, op), outputs, all,
                  opts.timeout,
                  [this, outs, ins, op](const Deadline& dl) mutable {
+                   int64_t total = 0;
+                   for (const auto& o : outs) total += o.numel();
+                   if (total == 0) return meetEmpty(dl);
                    for (size_t i = 0; i < outs.size(); ++i) {
                      const int64_t m = outs[i].numel();
                      if (m == 0) continue;
@@ -795,12 +954,14 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
                    }
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("reduce_scatter_tensor_coalesced");
 }
 
 // ------------------------------------------------------------- data movement
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>& tensors,
-                                                         const c10d::BroadcastOptions& opts) {
+                                                         const c10d::BroadcastOptions& opts) try {
   checkOne("broadcast", tensors.size());
   const int root = static_cast<int>(opts.rootRank);
   TORCH_CHECK(root >= 0 && root < getSize(), "kaitian broadcast: root ", root,
@@ -817,7 +978,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>
                      c10d::BroadcastOptions o;
                      o.rootRank = root;
                      o.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->broadcast(v, o), dl);
+                     waitVendor(vendor, vendor->broadcast(v, o), t.device(), dl);
                      return -1;
                    }
                    const int W = getSize(), me = getRank();
@@ -837,6 +998,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>
                    }
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("broadcast");
 }
 
 namespace {
@@ -850,7 +1013,7 @@ struct GatherPlan {
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+    const c10d::AllgatherOptions& opts) try {
   checkOne("allgather", inputs.size());
   checkOne("allgather", outputs.size());
   at::Tensor in = inputs[0];
@@ -874,7 +1037,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
                      std::vector<at::Tensor> i{in};
                      c10d::AllgatherOptions opts;
                      opts.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->allgather(o, i, opts), dl);
+                     waitVendor(vendor, vendor->allgather(o, i, opts), in.device(), dl);
                      return -1;
                    }
                    const int W = getSize();
@@ -892,10 +1055,12 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
                    for (int s = 0; s < W; ++s) writeBack(outs[s], bufs[s]);
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("allgather");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
-    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) try {
   at::Tensor out = output, in = input;
   TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian allgather_into_tensor: input dtype ",
               in.scalar_type(), " differs from output dtype ", out.scalar_type());
@@ -912,7 +1077,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
                    if (auto vendor = soleVendor({in, out})) {
                      c10d::AllgatherOptions opts;
                      opts.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->_allgather_base(out, in, opts), dl);
+                     waitVendor(vendor, vendor->_allgather_base(out, in, opts), in.device(), dl);
                      return -1;
                    }
                    const int W = getSize();
@@ -927,11 +1092,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
                    writeBack(out, ob);
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("allgather_into_tensor");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+    const c10d::AllgatherOptions& opts) try {
   const int W = getSize();
   TORCH_CHECK(outputs.size() == static_cast<size_t>(W),
               "kaitian allgather_coalesced: expected one output list per rank (", W, "), got ",
@@ -976,11 +1143,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_coalesced(
                    }
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("allgather_coalesced");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+    const c10d::AllgatherOptions& opts) try {
   TORCH_CHECK(outputs.size() == inputs.size(), "kaitian allgather_into_tensor_coalesced: ",
               outputs.size(), " outputs but ", inputs.size(), " inputs");
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -1009,11 +1178,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_into_tensor_coalesced(
                    }
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("allgather_into_tensor_coalesced");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::GatherOptions& opts) {
+    const c10d::GatherOptions& opts) try {
   checkOne("gather", inputs.size());
   const int root = static_cast<int>(opts.rootRank), W = getSize(), me = getRank();
   TORCH_CHECK(root >= 0 && root < W, "kaitian gather: root ", root, " is not a rank of this group");
@@ -1054,11 +1225,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::gather(
                    }
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("gather");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ScatterOptions& opts) {
+    const c10d::ScatterOptions& opts) try {
   checkOne("scatter", outputs.size());
   const int root = static_cast<int>(opts.rootRank), W = getSize(), me = getRank();
   TORCH_CHECK(root >= 0 && root < W, "kaitian scatter: root ", root, " is not a rank of this group");
@@ -1101,11 +1274,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::scatter(
                    writeBack(out, ob);
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("scatter");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
-    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
+    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) try {
   const int W = getSize();
   at::Tensor out = output, in = input;
   TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian alltoall_single: input dtype ",
@@ -1119,6 +1294,10 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall_base(
     }
     TORCH_CHECK(static_cast<int>(s.size()) == W, "kaitian alltoall_single: ", which,
                 " split sizes has ", s.size(), " entries, expected ", W);
+    for (size_t r = 0; r < s.size(); ++r) {
+      TORCH_CHECK(s[r] >= 0, "kaitian alltoall_single: ", which, " split sizes[", r, "] is ",
+                  s[r], "; split sizes must not be negative");
+    }
     TORCH_CHECK(std::accumulate(s.begin(), s.end(), int64_t{0}) == rows,
                 "kaitian alltoall_single: ", which, " split sizes sum to ",
                 std::accumulate(s.begin(), s.end(), int64_t{0}), " but dim 0 is ", rows);
@@ -1154,11 +1333,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall_base(
                    writeBack(out, ob);
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("alltoall_single");
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                         std::vector<at::Tensor>& inputs,
-                                                        const c10d::AllToAllOptions& opts) {
+                                                        const c10d::AllToAllOptions& opts) try {
   const int W = getSize();
   TORCH_CHECK(static_cast<int>(outputs.size()) == W && static_cast<int>(inputs.size()) == W,
               "kaitian alltoall: expects one input and one output tensor per rank (", W,
@@ -1195,9 +1376,13 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall(std::vector<at::Tensor>&
                    for (int r = 0; r < W; ++r) writeBack(outs[r], bufs[r]);
                    return -1;
                  });
+} catch (...) {
+  breakOnLocalError("alltoall");
 }
 
-c10::intrusive_ptr<c10d::Work> KaitianBackend::barrier(const c10d::BarrierOptions& opts) {
+c10::intrusive_ptr<c10d::Work> KaitianBackend::barrier(const c10d::BarrierOptions& opts) try {
+  // As NCCL's, a barrier orders the rank's device: it meets the peers once the
+  // device work queued before it finished, so each rank's is done on return.
   return enqueue(*collectives_, OpType::BARRIER, "barrier", opId(OpType::BARRIER), {}, {},
                  opts.timeout,
                  [this](const Deadline& dl) {
@@ -1206,7 +1391,10 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::barrier(const c10d::BarrierOption
                                  std::vector<int64_t>(W, 0), std::vector<uint8_t*>(W, nullptr),
                                  std::vector<int64_t>(W, 0), dl);
                    return -1;
-                 });
+                 },
+                 layout_.device);
+} catch (...) {
+  breakOnLocalError("barrier");
 }
 
 // ------------------------------------------------------------ point to point

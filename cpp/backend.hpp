@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <unordered_map>
 
 #include "bridge.hpp"
 #include "compat.hpp"
@@ -23,9 +24,11 @@ struct Layout {
   bool flatIntra = true;                 // CPU groups: reduce through the bridge, not the vendor
   int64_t segmentBytes = 16 << 20;       // reductions proceed in segments of this size
   // Per group: dtype and reduce-op names its intra-group vendor cannot reduce
-  // (the routing table of kaitian/backend/factory.py); those reductions go
+  // (the vendor table's intra_gaps, kaitian/devices/vendors); those reductions go
   // through the bridge, every rank its own source. Empty: no gaps.
   std::vector<std::vector<std::string>> vendorGaps;
+  // This rank's accelerator (none on CPU ranks): a barrier waits for its work.
+  std::optional<c10::Device> device;
 };
 
 struct PinnedRing;
@@ -97,9 +100,8 @@ class KaitianBackend : public c10d::Backend {
   // Introspection for Python and tests.
   const Layout& layout() const { return layout_; }
   std::string bridgeKind() const { return bridge_ ? bridge_->kind() : "none"; }
-  std::vector<std::pair<uintptr_t, int64_t>> bridgeRegions() const {
-    return bridge_ ? bridge_->regions() : std::vector<std::pair<uintptr_t, int64_t>>{};
-  }
+  // Bytes reductions copied device-to-host and host-to-device so far.
+  std::pair<int64_t, int64_t> stagedBytes() const { return {stagedIn_.load(), stagedOut_.load()}; }
   bool hasIntra() const { return intraDevice_.defined() || intraCpu_.defined(); }
   // The first failure once the group is broken, else "".
   std::string firstFailure() const { return fail_.broken() ? fail_.first() : ""; }
@@ -107,11 +109,13 @@ class KaitianBackend : public c10d::Backend {
  private:
   using Body = std::function<int(const Deadline&)>;  // returns the source rank (recv) or -1
   // Runs `body` on `queue` as op `id` (collectives get their sequence number
-  // here); once the group is broken, raises instead.
+  // here); once the group is broken, raises instead. `device`: the op's device
+  // when its tensors name none (a barrier orders the rank's device as NCCL's does).
   c10::intrusive_ptr<c10d::Work> enqueue(OpQueue& queue, c10d::OpType type, const char* name,
                                          OpId id, std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> deviceTensors,
-                                         std::chrono::milliseconds timeout, Body body);
+                                         std::chrono::milliseconds timeout, Body body,
+                                         std::optional<c10::Device> device = std::nullopt);
   c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor t,
                                                  const c10d::AllreduceOptions& opts);
   // Reduces `flat` (contiguous, 1-D, on its device) over the world: vendor step
@@ -131,12 +135,24 @@ class KaitianBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> soleVendor(
       const std::vector<at::Tensor>& tensors,
       std::optional<c10d::ReduceOp::RedOpType> op = std::nullopt) const;
-  // Waits for a vendor op, noticing the deadline and shutdown/abort.
+  // Waits for a vendor op on `device`'s tensors, its device work included
+  // (NCCL's future completes when the op is queued), noticing the deadline and
+  // shutdown/abort.
   void waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
-                  const c10::intrusive_ptr<c10d::Work>& work, const Deadline& dl);
-  // The collectives thread's pinned segment buffers, at least `bytes` each.
-  PinnedRing& pinnedRing(c10::DeviceType type, int64_t bytes);
+                  const c10::intrusive_ptr<c10d::Work>& work, const c10::Device& device,
+                  const Deadline& dl);
+  // The collectives thread's pinned segment buffers for `device`, at least `bytes` each.
+  PinnedRing& pinnedRing(const c10::Device& device, int64_t bytes);
   void stopAll(bool abort);
+  // An op with nothing to move still meets its peers once (a zero-byte
+  // exchange carries its identity), so that a rank whose call differs is caught
+  // at this call on every rank. Returns -1, the op bodies' "no source rank".
+  int meetEmpty(const Deadline& dl);
+  // A collective's argument check failed on this rank alone, while its peers
+  // are, or will be, waiting for it in that collective: breaks the group
+  // (fail-stop) so that they raise at once naming this rank and the error, and
+  // rethrows the error to the caller. Called from the collectives' catch blocks.
+  [[noreturn]] void breakOnLocalError(const char* op);
   // A 1-D copy of `t` in a buffer reused across calls (progress thread only).
   at::Tensor scratchCopy(const at::Tensor& t);
   void exchangeBytes(const uint8_t* blob, int64_t blobLen, std::vector<int64_t> sendOff,
@@ -160,12 +176,15 @@ class KaitianBackend : public c10d::Backend {
   bool shutDown_ = false;
   std::unique_ptr<OpQueue> collectives_, sends_, recvs_;
   at::Tensor scratch_;  // used only by the collectives thread
-  std::unique_ptr<PinnedRing> ring_;  // used only by the collectives thread
+  // Used only by the collectives thread; one per device (events belong to one).
+  std::unordered_map<c10::Device, std::unique_ptr<PinnedRing>> rings_;
+  std::atomic<int64_t> stagedIn_{0}, stagedOut_{0};  // see stagedBytes()
   struct Gaps {
     std::vector<at::ScalarType> dtypes;
     std::vector<c10d::ReduceOp::RedOpType> ops;
   };
   std::vector<Gaps> gaps_;  // per group, parsed from layout_.vendorGaps
+  std::vector<int> groupMembers_;  // the ranks of this rank's group (its vendor's)
   std::mutex abandonedMu_;
   std::set<const c10d::Backend*> abandoned_;  // vendors with an op we stopped waiting for
 };

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,8 +66,12 @@ class Bridge {
   // Tells every peer that this process group is broken (first failure text);
   // idempotent, callable from any thread, never blocks for long.
   virtual void poison(const std::string& firstFailure) = 0;
-  // Memory regions a vendor runtime may pin (ptr, bytes).
-  virtual std::vector<std::pair<uintptr_t, int64_t>> regions() const { return {}; }
+  // For the collectives thread while it waits outside the bridge (in its
+  // vendor's step, with the ranks `with`): raises, as the bridge's own waits
+  // do, when a peer broke the group; returns why one of `with` is gone (it
+  // exited, or closed the group), or "" while all are there. Never blocks;
+  // cheap enough to call every few milliseconds.
+  virtual std::string watchPeers(const std::vector<int>& with, const Deadline& dl, const std::string& what) = 0;
   // Releases OS resources; further calls fail.
   virtual void close() = 0;
 };
@@ -77,5 +82,14 @@ namespace detail {
 // `n`-element buffer, and that stripe.
 std::pair<int, Range> ownerOf(const ReduceSpec& spec, int g, int64_t n, int64_t e);
 }  // namespace detail
+
+// The part of spec.buf rank `r` publishes for the other source groups'
+// reducers: its share of its group's partial. With its own stripe
+// (spec.stripes[r]), all of buf that a bridge reads on rank r.
+inline Range publishRange(const ReduceSpec& spec, int r) {
+  const auto& ranks = spec.groups[spec.groupOf[r]];
+  const int64_t idx = std::find(ranks.begin(), ranks.end(), r) - ranks.begin();
+  return evenPart(spec.buf.numel(), static_cast<int64_t>(ranks.size()), idx);
+}
 
 }  // namespace kaitian

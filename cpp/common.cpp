@@ -89,6 +89,15 @@ std::string mismatchText(int me, const OpId& mine, int peer, const OpId& theirs)
          "dtype, size and root";
 }
 
+std::string peerGoneText(int peer, const std::string& what) {
+  // A peer's script that raised closes its group at exit, as one that ended or
+  // destroyed it does: the peer's log tells which.
+  const std::string r = "rank " + std::to_string(peer);
+  return r + " failed or exited (or destroyed its process group) while this rank waited for its " +
+         what + "; see " + r + "'s log for its error; if it ended normally, ranks issued "
+         "different numbers of collectives";
+}
+
 std::string sizeMismatchText(const OpId& id, int src, int dst, int64_t sent, int64_t expected) {
   return "tensor sizes differ between ranks in " + id.describe() + ": rank " + std::to_string(src) +
          " sends " + std::to_string(sent) + " B to rank " + std::to_string(dst) + ", which expects " +

@@ -61,6 +61,10 @@ std::string mismatchText(int me, const OpId& mine, int peer, const OpId& theirs)
 // "tensor sizes differ between ranks in <op>: rank src sends N B to rank dst, which expects M B; ..."
 std::string sizeMismatchText(const OpId& id, int src, int dst, int64_t sent, int64_t expected);
 
+// "rank N failed or exited (...) while this rank waited for its <what>; see its
+// log ...": a peer gone mid-wait, in the same words from both bridges.
+std::string peerGoneText(int peer, const std::string& what);
+
 // The fail-stop state of one process group: after the first error every op
 // raises naming it. Shared by the op threads and the bridge.
 class FailState {

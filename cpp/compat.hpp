@@ -4,6 +4,9 @@
 // Backend.hpp / Work.hpp / Types.hpp of every minor release).
 #pragma once
 
+#include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -65,6 +68,21 @@ inline void abortBackend(c10d::Backend& backend) {
   backend.abort();
 #else
   (void)backend;
+#endif
+}
+
+// `bytes` of pinned host memory from `type`'s own host allocator (torch's
+// Context takes the device type from 2.13, the oldest release checked for
+// it); before, the default accelerator's, which in a kaitian worker is the
+// rank's own (only its vendor's plug-in is loaded).
+inline at::Tensor pinnedBytes(int64_t bytes, c10::DeviceType type) {
+#if KAITIAN_TORCH_AT_LEAST(2, 13)
+  return at::detail::empty_generic({bytes}, at::globalContext().getPinnedMemoryAllocator(type),
+                                   c10::DispatchKeySet(c10::DispatchKey::CPU), at::kByte,
+                                   std::nullopt);
+#else
+  (void)type;
+  return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
 #endif
 }
 

@@ -177,10 +177,15 @@ ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
     TORCH_CHECK(fd >= 0, sysError("kaitian: cannot create shared memory " + myName_ +
                                   " (is /dev/shm mounted and writable?)"));
     ::fchmod(fd, 0600);
-    if (::ftruncate(fd, static_cast<off_t>(segBytes_)) != 0) {
-      const std::string msg = sysError("kaitian: cannot size shared memory " + myName_ + " to " +
-                                       std::to_string(segBytes_) + " bytes (is /dev/shm full? "
-                                       "docker: raise --shm-size)");
+    // Reserve the pages now: ftruncate alone reserves nothing on tmpfs, and a
+    // full /dev/shm would then be a SIGBUS at the first touch.
+    const int reserveErr = ::posix_fallocate(fd, 0, static_cast<off_t>(segBytes_));
+    if (reserveErr != 0) {
+      errno = reserveErr;
+      const std::string msg = sysError(
+          "kaitian: cannot reserve " + std::to_string(segBytes_) + " bytes of shared memory for " +
+          myName_ + " (is /dev/shm full? free space there, or lower KAITIAN_CHUNK_BYTES; "
+          "kaitianrun's docker workers share the host's /dev/shm)");
       ::close(fd);
       TORCH_CHECK(false, msg);
     }
@@ -322,14 +327,6 @@ std::string ShmBridge::failureOf(int peer) const {
   return out.empty() ? "rank " + std::to_string(peer) + " reported an error" : out;
 }
 
-std::vector<std::pair<uintptr_t, int64_t>> ShmBridge::regions() const {
-  std::vector<std::pair<uintptr_t, int64_t>> out;
-  for (const auto& p : peers_) {
-    if (p.base) out.emplace_back(reinterpret_cast<uintptr_t>(p.base), segBytes_);
-  }
-  return out;
-}
-
 uint8_t* ShmBridge::inArea(int r, uint64_t round) const {
   return peers_[r].base + dataOff_ + (round % kSlots) * 2 * chunk_;
 }
@@ -350,15 +347,18 @@ void ShmBridge::signal() { wake(peers_[rank_].hdr->ev, false); }
 void ShmBridge::ring(int r) { wake(peers_[r].hdr->inbox, false); }
 
 void ShmBridge::checkAlive(int peer, const Deadline& dl, const char* what) {
+  const std::string gone = goneText(peer, what);
+  if (!gone.empty()) dl.breakGroup(gone);
+}
+
+std::string ShmBridge::goneText(int peer, const char* what) {
   const int64_t pid = peer < static_cast<int>(pids_.size()) ? pids_[peer] : -1;
   if (pid > 0) {
-    if (!pidAlive(pid)) {
-      dl.breakGroup("rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
-                    ") exited while this rank waited for its " + what +
-                    "; the job cannot continue (restart it; kaitianrun --max-restarts does so "
-                    "automatically)");
-    }
-    return;
+    if (pidAlive(pid)) return "";
+    return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
+           ") exited while this rank waited for its " + what +
+           "; the job cannot continue (restart it; kaitianrun --max-restarts does so "
+           "automatically)";
   }
   // Another pid namespace (another container): its heartbeat must keep moving.
   const uint64_t beat = peers_[peer].hdr->heartbeat.v.load(std::memory_order_relaxed);
@@ -368,11 +368,11 @@ void ShmBridge::checkAlive(int peer, const Deadline& dl, const char* what) {
   if (beat != b.value) {
     b = Beat{beat, now};
   } else if (now - b.seen > deadAfter_) {
-    dl.breakGroup("rank " + std::to_string(peer) + " stopped its heartbeat " +
-                  seconds(now - b.seen) + " s ago while this rank waited for its " + what +
-                  " (it died or is frozen; it runs in another pid namespace, so its pid cannot "
-                  "be checked)");
+    return "rank " + std::to_string(peer) + " stopped its heartbeat " + seconds(now - b.seen) +
+           " s ago while this rank waited for its " + what +
+           " (it died or is frozen; it runs in another pid namespace, so its pid cannot be checked)";
   }
+  return "";
 }
 
 void ShmBridge::checkPeers(int watch, const Deadline& dl, const char* what) {
@@ -382,18 +382,45 @@ void ShmBridge::checkPeers(int watch, const Deadline& dl, const char* what) {
     if (st == kBroken) dl.peerFailed(failureOf(s));
     // A closed peer matters only when we wait for that one (any-source receives
     // go on while other senders remain).
-    if (st == kClosed && watch == s) {
-      dl.breakGroup("rank " + std::to_string(s) +
-                    " destroyed its process group while this rank waited for its " + what +
-                    " (ranks issued different numbers of collectives?)");
-    }
+    if (st == kClosed && watch == s) dl.breakGroup(peerGoneText(s, what));
   }
+}
+
+std::string ShmBridge::watchPeers(const std::vector<int>& with, const Deadline& dl,
+                                  const std::string& what) {
+  checkPeers(-1, dl, what.c_str());
+  for (int s : with) {
+    if (s == rank_) continue;
+    if (peers_[s].hdr->state.load(std::memory_order_acquire) == kClosed) {
+      return peerGoneText(s, what.c_str());
+    }
+    std::string gone = goneText(s, what.c_str());
+    if (!gone.empty()) return gone;
+  }
+  return "";
 }
 
 template <typename Ready>
 void ShmBridge::waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadline& dl,
                           const char* what) {
   if (ready()) return;
+  auto lastAlive = Clock::now();
+  // Between spins and sleeps: the peers' fail-stop state, their liveness (every
+  // kAliveEvery) and the deadline. True: the wait is over after all.
+  auto checks = [&] {
+    checkPeers(watch, dl, what);
+    if (ready()) return true;  // a closing peer may have published just before
+    const auto now = Clock::now();
+    if (now - lastAlive > kAliveEvery) {
+      for (int s = 0; s < size_; ++s) {
+        if (s != rank_ && (watch < 0 || watch == s)) checkAlive(s, dl, what);
+      }
+      lastAlive = now;
+    }
+    dl.check(watch < 0 ? std::string("a ") + what + " from any rank"
+                       : "rank " + std::to_string(watch) + "'s " + what);
+    return false;
+  };
   // Short spin: a peer in the same collective usually arrives within microseconds.
   const auto spinUntil = Clock::now() + std::chrono::microseconds(spinMicros_);
   for (int i = 0;; ++i) {
@@ -401,10 +428,12 @@ void ShmBridge::waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadli
     KAITIAN_CPU_RELAX();
     if ((i & 127) == 127) {
       if (Clock::now() >= spinUntil) break;
-      if ((i & 4095) == 4095) sched_yield();  // let a descheduled peer run
+      if ((i & 4095) == 4095) {
+        sched_yield();  // let a descheduled peer run
+        if (checks()) return;
+      }
     }
   }
-  auto lastAlive = Clock::now();
   while (true) {
     const uint32_t seen = ev.seq.load(std::memory_order_seq_cst);
     if (ready()) return;
@@ -415,18 +444,7 @@ void ShmBridge::waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadli
     }
     futexWait(&ev.seq, seen, kSleepNanos);
     ev.waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (ready()) return;
-    checkPeers(watch, dl, what);
-    if (ready()) return;  // a closing peer may have published just before
-    const auto now = Clock::now();
-    if (now - lastAlive > kAliveEvery) {
-      for (int s = 0; s < size_; ++s) {
-        if (s != rank_ && (watch < 0 || watch == s)) checkAlive(s, dl, what);
-      }
-      lastAlive = now;
-    }
-    dl.check(watch < 0 ? std::string("a ") + what + " from any rank"
-                       : "rank " + std::to_string(watch) + "'s " + what);
+    if (ready() || checks()) return;
   }
 }
 
@@ -509,9 +527,7 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
   const int64_t ce = std::max<int64_t>(1, chunk_ / es);
   auto* base = static_cast<uint8_t*>(spec.buf.data_ptr());
   const int myG = spec.groupOf[rank_];
-  const auto& myRanks = spec.groups[myG];
-  const int64_t myIdx = std::find(myRanks.begin(), myRanks.end(), rank_) - myRanks.begin();
-  const Range pubRange = evenPart(n, static_cast<int64_t>(myRanks.size()), myIdx);
+  const Range pubRange = publishRange(spec, rank_);
   const Range mine = spec.stripes[rank_];
   auto* hdr = peers_[rank_].hdr;
   std::vector<const void*> srcs;

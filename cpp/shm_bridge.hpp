@@ -40,7 +40,7 @@ class ShmBridge : public Bridge {
   void send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) override;
   int recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) override;
   void poison(const std::string& firstFailure) override;
-  std::vector<std::pair<uintptr_t, int64_t>> regions() const override;
+  std::string watchPeers(const std::vector<int>& with, const Deadline& dl, const std::string& what) override;
   void close() override;
 
   // Bytes of one rank's segment for this world size and chunk (for docs/bench).
@@ -73,6 +73,8 @@ class ShmBridge : public Bridge {
                    const Deadline& dl, const char* what);
   void checkPeers(int watch, const Deadline& dl, const char* what);
   void checkAlive(int peer, const Deadline& dl, const char* what);
+  // Why `peer` is gone (exited, or stopped its heartbeat), or "" while it lives.
+  std::string goneText(int peer, const char* what);
   std::string failureOf(int peer) const;
   // Collective calls: identity of each round, checked by the readers.
   void beginCall(const Deadline& dl);

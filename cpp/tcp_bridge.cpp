@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -39,6 +40,8 @@ using Frame = TcpFrame;
 
 
 std::string errnoText() { return std::strerror(errno); }
+// The last socket error says the peer's end is gone (it exited or closed its group).
+bool peerGone() { return errno == EPIPE || errno == ECONNRESET; }
 
 int pollTimeoutMs(const Deadline& dl) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(dl.at - Clock::now());
@@ -144,6 +147,7 @@ void TcpBridge::transfer(std::vector<Transfer> sends, std::vector<Transfer> recv
           const ssize_t k = ::send(fds[p], t.ptr, t.bytes, MSG_NOSIGNAL);
           if (k < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+            if (peerGone()) dl.breakGroup(peerGoneText(p, "data") + " (sending: " + errnoText() + ")");
             dl.breakGroup("sending to rank " + std::to_string(p) + " failed: " + errnoText() +
                           " (it exited, crashed, or its process group broke)");
           }
@@ -156,13 +160,10 @@ void TcpBridge::transfer(std::vector<Transfer> sends, std::vector<Transfer> recv
         while (!in[p].empty()) {
           auto& t = in[p].front();
           const ssize_t k = ::recv(fds[p], t.ptr, t.bytes, 0);
-          if (k == 0) {
-            dl.breakGroup("rank " + std::to_string(p) +
-                          " closed its connection (it exited, crashed, or its process group "
-                          "broke)");
-          }
+          if (k == 0) dl.breakGroup(peerGoneText(p, "data") + " (it closed its connection)");
           if (k < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+            if (peerGone()) dl.breakGroup(peerGoneText(p, "data") + " (" + errnoText() + ")");
             dl.breakGroup("receiving from rank " + std::to_string(p) + " failed: " +
                           errnoText() + " (it exited or crashed?)");
           }
@@ -230,15 +231,10 @@ Frame dataFrame(int32_t phase, uint64_t call, int64_t len, int64_t other, const 
 void TcpBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
   if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
   const uint64_t call = ++calls_;
-  const int64_t n = spec.buf.numel();
   const int64_t es = static_cast<int64_t>(spec.buf.element_size());
   auto* base = static_cast<uint8_t*>(spec.buf.data_ptr());
   const int myG = spec.groupOf[rank_];
-  auto pubRange = [&](int r) {
-    const auto& g = spec.groups[spec.groupOf[r]];
-    const int64_t idx = std::find(g.begin(), g.end(), r) - g.begin();
-    return evenPart(n, static_cast<int64_t>(g.size()), idx);
-  };
+  auto pubRange = [&](int r) { return publishRange(spec, r); };
   const Range mine = spec.stripes[rank_];
   const Range myPub = pubRange(rank_);
   // One temporary per other source group, filled by that group's owners.
@@ -404,6 +400,29 @@ void TcpBridge::poison(const std::string& firstFailure) {
   }
   abortChannel(coll_, collMu_, collClean_, collAborted_);
   abortChannel(p2p_, sendMu_, p2pClean_, p2pAborted_);
+}
+
+std::string TcpBridge::watchPeers(const std::vector<int>& with, const Deadline& dl,
+                                  const std::string& what) {
+  // Only the collectives thread reads the collective connections, and it is
+  // here: peek, so that a peer already ahead in the next bridge call keeps
+  // its data for that call. An abort frame is read (the group is broken).
+  for (int p = 0; p < size_; ++p) {
+    const int fd = p < static_cast<int>(coll_.size()) ? coll_[p] : -1;
+    if (fd < 0) continue;
+    Frame f;
+    const ssize_t k = ::recv(fd, &f, sizeof(f), MSG_PEEK | MSG_DONTWAIT);
+    const bool watched = std::find(with.begin(), with.end(), p) != with.end();
+    if (k == static_cast<ssize_t>(sizeof(f)) && f.magic == kFrameMagic && f.kind == kAbort) {
+      ioAll(fd, reinterpret_cast<uint8_t*>(&f), sizeof(f), false, p, dl);
+      checkFrame(f, p, fd, kData, 0, 0, dl);  // reads the failure text and raises it
+    }
+    if (watched && (k == 0 || (k < 0 && peerGone()))) {
+      return "rank " + std::to_string(p) + " failed or exited while this rank waited for " + what +
+             " (its connection closed; see its log)";
+    }
+  }
+  return "";
 }
 
 // Sends an abort frame (with the first failure) on every connection of one

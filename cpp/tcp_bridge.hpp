@@ -29,6 +29,7 @@ class TcpBridge : public Bridge {
   void send(int dst, const void* data, int64_t bytes, int tag, const Deadline& dl) override;
   int recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) override;
   void poison(const std::string& firstFailure) override;
+  std::string watchPeers(const std::vector<int>& with, const Deadline& dl, const std::string& what) override;
   void close() override;
 
  private:

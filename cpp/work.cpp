@@ -60,13 +60,16 @@ bool KaitianWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void KaitianWork::synchronize() {
-  // The future records the op's stream when it completes; its wait() blocks
-  // until then and makes the caller's current streams wait for that point.
-  if (!devices_.empty()) {
-    future_->wait();
-  } else {
-    future_->waitAndThrow();
+  // Host side done (wait() saw completed_); the caller's current streams wait
+  // for the op's device work. The future is not involved: it completes later,
+  // on a completion thread.
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return completed_; });
   }
+  if (!deviceDone_) return;
+  c10::impl::VirtualGuardImpl impl(devices_[0].type());
+  for (const auto& device : devices_) deviceDone_->block(impl.getStream(device));
 }
 
 bool KaitianWork::isCompleted() {
@@ -90,17 +93,100 @@ void KaitianWork::markDone(std::vector<at::Tensor> outputs, int sourceRank) {
     outputs_ = outputs;
     sourceRank_ = sourceRank;
   }
-  // Future first: wait() returns once finish() ran, and must then find the
-  // future completed so that it can order the caller's streams after ours.
-  future_->markCompleted(c10::IValue(std::move(outputs)));
+  if (completeUntakenFuture([&] { future_->markCompleted(c10::IValue(outputs)); })) {
+    finish();
+    done_.store(true, std::memory_order_release);
+    return;
+  }
   finish();
   done_.store(true, std::memory_order_release);
+  completeFuture([future = future_, outputs = std::move(outputs), streams = opStreams()]() mutable {
+    // The future records its events on the current streams: the op's.
+    c10::impl::VirtualGuardImpl impl(streams.empty() ? c10::DeviceType::CPU : streams[0].device_type());
+    std::vector<c10::Stream> previous;
+    for (const auto& s : streams) previous.push_back(impl.exchangeStream(s));
+    future->markCompleted(c10::IValue(std::move(outputs)));
+    for (const auto& s : previous) impl.exchangeStream(s);
+  });
 }
 
 void KaitianWork::markFailed(std::exception_ptr error) {
-  future_->setErrorIfNeeded(error);
+  const bool completed = completeUntakenFuture([&] { future_->setErrorIfNeeded(error); });
   finish(error);
   done_.store(true, std::memory_order_release);
+  if (!completed) completeFuture([future = future_, error] { future->setErrorIfNeeded(error); });
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> KaitianWork::getFuture() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  futureTaken_ = true;
+  return future_;
+}
+
+bool KaitianWork::completeUntakenFuture(const std::function<void()>& complete) {
+  // Nobody holds the future, so no callback can run here: complete it inline
+  // (no hand-off on the Work.wait() latency path). Under mutex_, so that a
+  // getFuture() racing with us returns it completed.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (futureTaken_) return false;
+  complete();
+  return true;
+}
+
+std::vector<c10::Stream> KaitianWork::opStreams() const {
+  std::vector<c10::Stream> streams;
+  if (devices_.empty()) return streams;
+  c10::impl::VirtualGuardImpl impl(devices_[0].type());
+  for (const auto& device : devices_) streams.push_back(impl.getStream(device));
+  return streams;
+}
+
+namespace {
+// Future callbacks (comm hooks, .then()) may issue collectives and wait for
+// them, so they never run on a collectives thread, where they would wait
+// behind themselves. An idle completion thread runs them; when every one is
+// busy (a callback blocked on a nested future, whose completion is queued
+// here too) another is started. Steady state: one thread, no thread starts.
+// Never destroyed: detached threads may still wait on it at exit.
+class CompletionPool {
+ public:
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+      if (idle_ == 0) {
+        std::thread([this] { loop(); }).detach();
+        ++idle_;  // counted as idle until it takes its first job
+      }
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    pthread_setname_np(pthread_self(), "kt-callbacks");
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return !jobs_.empty(); });
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      --idle_;
+      lock.unlock();
+      job();  // completing a future never throws; its callbacks' errors go to their futures
+      lock.lock();
+      ++idle_;
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  size_t idle_ = 0;
+};
+}  // namespace
+
+void completeFuture(std::function<void()> job) {
+  static auto* pool = new CompletionPool();
+  pool->submit(std::move(job));
 }
 
 namespace {

@@ -28,18 +28,21 @@ class KaitianWork : public c10d::Work {
   void synchronize() override;
   // True once the op's host side is done and its device work has finished.
   bool isCompleted() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override;
   int sourceRank() const override { return sourceRank_; }
 
   // Called on the executing thread exactly once, after the op's device work was
-  // queued on that thread's current stream: the future is completed (recording
-  // that stream) before wait() can return.
+  // queued on that thread's current stream. wait() returns at once; the future
+  // is completed (recording that stream) on a completion thread, so that its
+  // callbacks may issue and wait for collectives.
   void markDone(std::vector<at::Tensor> outputs, int sourceRank = -1);
   void markFailed(std::exception_ptr error);
   const std::string& opName() const { return opName_; }
 
  private:
+  std::vector<c10::Stream> opStreams() const;  // the executing thread's current streams
+  bool completeUntakenFuture(const std::function<void()>& complete);
   std::string opName_;
   std::vector<c10::Device> devices_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
@@ -47,7 +50,11 @@ class KaitianWork : public c10d::Work {
   int sourceRank_ = -1;
   std::optional<c10::Event> deviceDone_;  // recorded on the op's stream at markDone
   std::atomic<bool> done_{false};  // lets wait() spin briefly before sleeping
+  bool futureTaken_ = false;  // getFuture() was called: callbacks may exist (under mutex_)
 };
+
+// Runs `job` (completing a future) on a completion thread, never on the caller's.
+void completeFuture(std::function<void()> job);
 
 // Runs a blocking call (joining a thread) without the Python GIL when the
 // caller holds it: a future callback on our thread may need the GIL to finish.

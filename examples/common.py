@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["parse_args", "make_dataset", "make_model", "BatchLog", "save_weights"]
+__all__ = ["parse_args", "make_dataset", "Rows", "make_model", "BatchLog", "save_weights"]
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
@@ -39,6 +39,19 @@ def make_dataset(n: int = 480, seed: int = 0) -> TensorDataset:
     x = torch.randn(n, 8, generator=g, dtype=torch.float64)
     y = torch.sin(x[:, :1] * 2) + 0.5 * x[:, 1:2] * x[:, 2:3] + 0.05 * torch.randn(n, 1, generator=g, dtype=torch.float64)
     return TensorDataset(x, y, torch.arange(n))
+
+
+class Rows(torch.utils.data.Dataset):
+    """The shared dataset as dict rows (what the Trainer's collator expects)."""
+
+    def __init__(self) -> None:
+        self.x, self.y, self.index = make_dataset().tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i], "index": self.index[i]}
 
 
 def make_model() -> torch.nn.Module:

@@ -20,7 +20,7 @@ from transformers import TrainerCallback, TrainingArguments
 from kaitian.transformers import KaitianTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, parse_args, save_weights, shut_down  # noqa: E402
+from common import BatchLog, Rows, make_model, parse_args, save_weights, shut_down  # noqa: E402
 
 
 class Regression(torch.nn.Module):
@@ -42,19 +42,6 @@ class StepDone(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.log.step_done()
-
-
-class Rows(torch.utils.data.Dataset):
-    """The shared dataset as dict rows (what the Trainer's collator expects)."""
-
-    def __init__(self) -> None:
-        self.x, self.y, self.index = make_dataset().tensors
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i], "index": self.index[i]}
 
 
 def main(argv=None) -> int:

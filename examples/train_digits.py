@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 
     train_set, test_set = load_digits_split(args.seed)
     sampler = kaitian.DistributedSampler(train_set, batch_size=args.batch_size, seed=args.seed)
-    model = kaitian.DistributedDataParallel(make_model(args.hidden).to(device))
+    model = kaitian.DistributedDataParallel(make_model(args.hidden).to(device), sampler=sampler)
     if not args.no_rebalance:
         every = args.rebalance_every
         kaitian.Rebalancer(sampler, model, every=int(every) if every not in (None, "epoch") else every)

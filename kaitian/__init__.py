@@ -1,6 +1,7 @@
 """kaitian: heterogeneous data-parallel training for PyTorch.
 
-``import kaitian`` registers the ``"kaitian"`` distributed backend. The rest of
+``import kaitian`` registers the ``"kaitian"`` distributed backend (after
+installing the fake MLUs of ``KAITIAN_FAKE_ACCELERATOR=mlu:N``, if set). The rest of
 the public API is loaded on first use, so the launcher stays quick to start.
 """
 
@@ -10,9 +11,15 @@ import importlib
 from typing import Any
 
 from kaitian.backend import register_backend as _register_backend
+from kaitian.devices.vendors import cambricon as _cambricon
+from kaitian.errors import SettingError as _SettingError
 
 from kaitian.version import __version__
 
+try:  # KAITIAN_FAKE_ACCELERATOR: before the backend learns the device types
+    _cambricon.install_fake()
+except (_SettingError, ImportError) as _e:
+    raise SystemExit(f"kaitian: {_e}") from None
 _register_backend()
 
 # public name -> module that defines it
@@ -22,7 +29,7 @@ _LAZY = {
     "local_device_count": "kaitian.devices.rank",
     "manual_seed": "kaitian.devices.rank",
     "DistributedSampler": "kaitian.training.sampler",
-    "optimize_batch_size": "kaitian.training.sampler",
+    "optimize_batch_size": "kaitian.training.split",
     "DistributedDataParallel": "kaitian.training.ddp",
     "Rebalancer": "kaitian.training.rebalance",
     "scale_loss": "kaitian.training.weighting",

@@ -12,7 +12,9 @@ Every torchelastic name is resolved on first use (see ``_LATE``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from typing import Iterator
 
 import torch.multiprocessing as _mp
 
@@ -48,18 +50,12 @@ _LATE = {
     # the agent
     "events": ("torch.distributed.elastic.events", None),
     "metrics": ("torch.distributed.elastic.metrics", None),
-    "timer": ("torch.distributed.elastic.timer", None),
-    "macros": ("torch.distributed.elastic.utils", "macros"),
+    "LocalElasticAgent": (_AGENT + ".local_elastic_agent", "LocalElasticAgent"),
     "RunResult": (_AGENT + ".api", "RunResult"),
-    "SimpleElasticAgent": (_AGENT + ".api", "SimpleElasticAgent"),
     "Worker": (_AGENT + ".api", "Worker"),
     "WorkerGroup": (_AGENT + ".api", "WorkerGroup"),
     "WorkerSpec": (_AGENT + ".api", "WorkerSpec"),
     "WorkerState": (_AGENT + ".api", "WorkerState"),
-    "TORCHELASTIC_ENABLE_FILE_TIMER": (_AGENT + ".local_elastic_agent", "TORCHELASTIC_ENABLE_FILE_TIMER"),
-    "TORCHELASTIC_HEALTH_CHECK_PORT": (_AGENT + ".local_elastic_agent", "TORCHELASTIC_HEALTH_CHECK_PORT"),
-    "TORCHELASTIC_TIMER_FILE": (_AGENT + ".local_elastic_agent", "TORCHELASTIC_TIMER_FILE"),
-    "create_healthcheck_server": (_AGENT + ".health_check_server", "create_healthcheck_server"),
     # processes, logs, errors
     "DefaultLogsSpecs": (_MP, "DefaultLogsSpecs"),
     "LogsSpecs": (_MP, "LogsSpecs"),
@@ -74,7 +70,6 @@ _LATE = {
     "record": (_MP + ".errors", "record"),
     # rendezvous: from the ``api`` submodule, complete before the package
     # __init__ loads the entry points (our rendezvous module among them)
-    "RendezvousGracefulExitError": (_R + ".api", "RendezvousGracefulExitError"),
     "RendezvousHandler": (_R + ".api", "RendezvousHandler"),
     "RendezvousInfo": (_R + ".api", "RendezvousInfo"),
     "RendezvousParameters": (_R + ".api", "RendezvousParameters"),
@@ -169,6 +164,75 @@ def get_rendezvous_handler(params):
     return _get(params)
 
 
+@contextlib.contextmanager
+def workers_started_by(start) -> Iterator[None]:
+    """Within the block, ``LocalElasticAgent._start_workers`` hands the worker
+    processes it would start to ``start`` and keeps what it returns as its
+    process context.
+
+    Every release from 2.4 to 2.15 builds the workers' torchrun arguments and
+    environments in ``_start_workers`` and passes them to its module's
+    ``start_processes`` (by keyword, as ``start`` gets them); no method between
+    the two can be overridden. So kaitian's agent keeps torch's environment,
+    whatever the release, and starts the processes where it wants.
+
+    Raises:
+        RuntimeError: ``_start_workers`` did not call it (a torch that starts workers another way).
+    """
+    from torch.distributed.elastic.agent.server import local_elastic_agent as module
+
+    calls = []
+
+    def handed_over(**kwargs):
+        calls.append(1)
+        return start(**kwargs)
+
+    original, module.start_processes = module.start_processes, handed_over
+    try:
+        yield
+    finally:
+        module.start_processes = original
+    if not calls:
+        import torch
+
+        raise RuntimeError(f"torch {torch.__version__}'s LocalElasticAgent started its workers without "
+                           "start_processes; kaitian/_torch.py must follow it")
+
+
+def close_local_agent(shutdown, death_sig, timeout: int) -> None:
+    """``LocalElasticAgent._shutdown`` (bound): stops the watchdog and the health
+    check and closes the workers' process context, SIGKILL after ``timeout``.
+
+    torch 2.4's takes ``is_restart`` instead of ``timeout`` (it closes in 30 s,
+    and it has no ``--shutdown-timeout``) and, unless restarting, also shuts the
+    rendezvous down, which kaitian's ``launch_agent`` does (and, as torch's own
+    ``launch_agent``, not for a signalled agent, whose peers go on).
+    """
+    import inspect
+
+    params = inspect.signature(shutdown).parameters
+    if "timeout" in params:
+        shutdown(death_sig, timeout=timeout)
+    elif "is_restart" in params:
+        shutdown(death_sig, is_restart=True)
+    else:
+        shutdown(death_sig)
+
+
+def subprocess_exit_codes(pcontext) -> dict:
+    """Each process's exit code in a ``SubprocessContext`` (``None`` while it runs),
+    read from its handler without ``wait()``, which stops the others once one failed."""
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if handlers is None:
+        from kaitian.errors import UsageError
+
+        raise UsageError(
+            "--on-failure continue watches worker processes one by one; it runs scripts "
+            "(kaitianrun script.py), not function entrypoints"
+        )
+    return {key: handler.proc.poll() for key, handler in handlers.items()}
+
+
 # --- torch.distributed's backend registry and autograd engine -----------------
 
 
@@ -188,13 +252,34 @@ def backend_options(store, group_rank: int, group_size: int, timeout):
     return opts
 
 
-def nccl_options(timeout):
-    """``ProcessGroupNCCL.Options`` with the group's timeout."""
-    import torch.distributed as dist
-
-    opts = dist.ProcessGroupNCCL.Options()
+def vendor_options(opts, timeout, global_ranks=(), group_name: str = ""):
+    """A vendor process group's ``Options`` (NCCL's, torch_mlu's CNCL's) with the
+    group's timeout, and its world ranks and name where the options carry them
+    (the vendor's logs, flight recorder and watchdog name the group by them)."""
     opts._timeout = timeout
+    if hasattr(opts, "global_ranks_in_group"):
+        opts.global_ranks_in_group = list(global_ranks)
+    if hasattr(opts, "group_name"):
+        opts.group_name = group_name
     return opts
+
+
+def nccl_connect_now(pg, device) -> None:
+    """Creates the communicator now (as ``init_process_group(device_id=...)``
+    does), not lazily inside the first reduction on kaitian's progress thread."""
+    pg.eager_connect_single_device(device)
+
+
+def abort_process_groups() -> None:
+    """Aborts every process group and forgets them (torch's path to recover from a failure:
+    vendor communicators are aborted, not destroyed); torch without it destroys them."""
+    from torch.distributed import distributed_c10d
+
+    abort = getattr(distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort()
+    else:
+        distributed_c10d.destroy_process_group()
 
 
 def queue_autograd_callback(callback) -> None:
@@ -207,19 +292,22 @@ def queue_autograd_callback(callback) -> None:
 # The names in _LATE are attributes too (resolved on first use).
 __all__ = [
     "ChildFailedError",
+    "LocalElasticAgent",
+    "abort_process_groups",
     "check_env",
     "env",
     "backend_options",
     "backend_plugins",
     "call_supported",
+    "close_local_agent",
     "launch_option",
-    "nccl_options",
+    "nccl_connect_now",
+    "vendor_options",
     "queue_autograd_callback",
     "DefaultLogsSpecs",
     "LogsSpecs",
     "PContext",
     "ProcessFailure",
-    "RendezvousGracefulExitError",
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
@@ -228,21 +316,15 @@ __all__ = [
     "RunResult",
     "SUPPORTED_TORCH",
     "SignalException",
-    "SimpleElasticAgent",
     "Std",
-    "TORCHELASTIC_ENABLE_FILE_TIMER",
-    "TORCHELASTIC_HEALTH_CHECK_PORT",
-    "TORCHELASTIC_TIMER_FILE",
     "Worker",
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
     "create_c10d_backend",
     "create_dynamic_handler",
-    "create_healthcheck_server",
     "events",
     "get_rendezvous_handler",
-    "macros",
     "metrics",
     "record",
     "rendezvous_backend_names",
@@ -250,8 +332,9 @@ __all__ = [
     "set_thread_name",
     "speed_up_rendezvous_events",
     "start_processes",
-    "timer",
+    "subprocess_exit_codes",
     "to_map",
+    "workers_started_by",
 ]
 
 # Last, with _LATE and __getattr__ in place: torch's rendezvous package loads

@@ -2,7 +2,8 @@
 
 ::
 
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import InitProcessGroupKwargs, gather_object, recursively_apply
     import kaitian
     from kaitian.accelerate import Accelerator
 
@@ -23,13 +24,27 @@
   ``InitProcessGroupKwargs`` a multi-process run gets backend kaitian too.
   On a CPU rank ``cpu=True`` is implied (Accelerate otherwise sees no
   distributed setup on a host without accelerators);
-* ``prepare()`` leaves a DataLoader built on a :class:`kaitian.DistributedSampler`
-  as it is (Accelerate would shard kaitian's batches again); batches are not
-  moved for you - call ``.to(accelerator.device)``;
+* ``prepare()`` does not shard a DataLoader built on a :class:`kaitian.DistributedSampler`
+  again: it wraps it as for one process, so its batches keep kaitian's split,
+  are moved to ``accelerator.device`` and the loader's end ends an
+  accumulation window (``sync_with_dataloader``) as in stock Accelerate;
+  other loaders are prepared by Accelerate as usual (so ``gather_for_metrics``
+  on an evaluation loader behaves as without kaitian); ``split_batches=True``
+  is refused for kaitian's loader (its batches are per rank already);
+* ``gather_for_metrics`` while a kaitian loader is iterated gathers the
+  ranks' batches of different sizes (padded to the largest for the
+  collective, each rank's part cut back to its own count) and drops the
+  samples kaitian's sampler repeated to pad its last step, so every sample
+  comes back once, as without kaitian (the batch dimension is dim 0; the
+  other dimensions must agree across ranks);
 * ``backward(loss, count=None, total=None)`` scales the loss with
-  :func:`kaitian.scale_loss` first (stock DDP then averages to the exact
-  global-batch mean). With ``gradient_accumulation_steps`` and micro-batches
-  whose global totals differ, pass ``total`` (see :func:`kaitian.scale_loss`).
+  :func:`kaitian.scale_loss` first, given the sampler of the loader being
+  iterated (``count`` defaults to its batch; stock DDP then averages to the
+  exact global-batch mean). With ``gradient_accumulation_steps`` and no ``total``,
+  each micro-batch is the global mean of its own samples divided by the
+  steps, as Accelerate does in one process; with ``total`` (the window's
+  global count, :func:`kaitian.global_count`, short last window included)
+  the step is exactly the mean over the window's samples.
 
 Tested on CPU ranks in two simulated vendor groups (no accelerator in CI).
 """
@@ -41,10 +56,13 @@ import os
 from typing import Any, Optional
 
 import accelerate
+import torch
 import torch.distributed as dist
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import InitProcessGroupKwargs, gather_object, recursively_apply
 
 import kaitian  # noqa: F401  registers the "kaitian" backend
+from kaitian.errors import TrainingError
 from kaitian.training.sampler import kaitian_sampler_of
 from kaitian.training.weighting import scale_loss
 
@@ -78,9 +96,55 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        if kaitian_sampler_of(data_loader) is not None:
-            return data_loader  # kaitian's split already is the sharding
-        return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if kaitian_sampler_of(data_loader) is None:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.split_batches:
+            raise TrainingError(
+                "kaitian.accelerate: split_batches=True would cut kaitian's per-rank batches again; "
+                "use split_batches=False and DistributedSampler(batch_size=<per-rank batch of an equal split>)")
+        # kaitian's split already is the sharding: wrapped as for one process, so
+        # Accelerate still sees the loader's end (sync_with_dataloader) and places batches.
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = prepare_data_loader(data_loader, self.device, num_processes=1, process_index=0,
+                                       split_batches=False, put_on_device=device_placement, rng_types=None,
+                                       dispatch_batches=False, non_blocking=self.non_blocking)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        sampler = kaitian_sampler_of(self.gradient_state.active_dataloader)
+        if sampler is None or self.num_processes == 1:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if use_gather_object:
+            data = gather_object(input_data)
+        else:
+            data = recursively_apply(self._gather_uneven, input_data)
+        repeated = sampler.last_step_padding if self.gradient_state.end_of_dataloader else 0
+        if repeated == 0:
+            return data
+        # the sampler's repeats are the last positions of the step in rank order
+        cut = lambda gathered: gathered[: len(gathered) - repeated]  # noqa: E731
+        return cut(data) if use_gather_object else recursively_apply(cut, data)
+
+    def _gather_uneven(self, tensor):
+        """All ranks' ``tensor`` concatenated along dim 0, whatever each rank's length there."""
+        tensor = tensor[None] if tensor.ndim == 0 else tensor
+        counts = self.gather(torch.tensor([len(tensor)], device=tensor.device)).tolist()
+        most = max(counts)
+        padded = torch.cat([tensor, tensor.new_zeros(most - len(tensor), *tensor.shape[1:])])
+        parts = self.gather(padded.contiguous()).split(most)
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
 
     def backward(self, loss, count: Optional[Any] = None, total: Optional[Any] = None, **kwargs: Any) -> None:
-        super().backward(scale_loss(loss, count=count, total=total), **kwargs)
+        sampler = kaitian_sampler_of(self.gradient_state.active_dataloader)
+        scaled = scale_loss(loss, count=count, total=total, sampler=sampler)
+        if total is not None:
+            # total spans the whole window already; Accelerate's backward divides
+            # by gradient_accumulation_steps again.
+            scaled = scaled * self.gradient_accumulation_steps
+        super().backward(scaled, **kwargs)

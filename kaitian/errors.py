@@ -21,6 +21,7 @@ __all__ = [
     "UsageError",
     "SplitError",
     "TrainingError",
+    "ElasticError",
     "CapabilityConfigError",
     "BackendSetupError",
     "LayoutError",
@@ -99,6 +100,10 @@ class BackendSetupError(KaitianError, RuntimeError):
 
 class LayoutError(KaitianError, RuntimeError):
     """Ranks disagree on the group layout, or a rank's group cannot be determined."""
+
+
+class ElasticError(TrainingError):
+    """A job under ``--on-failure continue`` cannot go on after a loss (the message says why)."""
 
 
 # --- the launcher across nodes ---------------------------------------------------

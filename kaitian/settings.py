@@ -1,39 +1,60 @@
-"""Every ``KAITIAN_*`` setting, read in one place.
+"""Every ``KAITIAN_*`` setting, read and written in one place.
 
 Workers get most of these from ``kaitianrun``; a plain ``torchrun`` user may set
-them by hand. Add a field here (with its variable and default) rather than
-reading ``os.environ`` anywhere else.
+them by hand. Each field of :class:`Settings` names its variable, how it is
+read and how it is written: :meth:`Settings.from_env` is the one reader,
+:meth:`Settings.to_env` the one writer of a worker's ``KAITIAN_*`` environment
+(kaitianrun's agent, the docker runtime, the tests' rank runner and the
+benchmarks write through it). Add a field here rather than reading or writing
+``os.environ`` anywhere else.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import tempfile
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from kaitian.devices.device import WorkerDevice
 from kaitian.errors import SettingError
 
-__all__ = ["Settings", "settings", "SettingError"]
+__all__ = ["Settings", "settings", "fake_accelerator", "SettingError"]
 
 
-def _int(env: Mapping[str, str], name: str, default: Optional[int]) -> Optional[int]:
+# The ranges of the numeric settings (documented in docs/backend.md).
+CHUNK_BYTES_RANGE = (4096, 256 << 20)  # a shm segment holds about 9 chunks
+SPIN_US_RANGE = (0, 100_000)  # spinning past 0.1 s only burns a core
+DEVICE_INDEX_RANGE = (0, 65535)
+FAKE_DEVICES_RANGE = (1, 64)  # the fake accelerator's device limit
+
+
+def _int(env: Mapping[str, str], name: str, default: Optional[int],
+         bounds: tuple[int, int]) -> Optional[int]:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    lo, hi = bounds
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise SettingError(f"{name}={raw!r}: expected an integer from {lo} to {hi}")
+    return value
+
+
+def _positive(env: Mapping[str, str], name: str, default: Optional[float]) -> Optional[float]:
     raw = env.get(name, "")
     if raw == "":
         return default
     try:
-        return int(raw)
+        value = float(raw)
     except ValueError:
-        raise SettingError(f"{name}={raw!r} is not an integer") from None
-
-
-def _float(env: Mapping[str, str], name: str, default: Optional[float]) -> Optional[float]:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a number") from None
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise SettingError(f"{name}={raw!r}: expected a finite number above 0")
+    return value
 
 
 def _port_range(env: Mapping[str, str], name: str) -> Optional[tuple[int, int]]:
@@ -65,11 +86,61 @@ def _secret(env: Mapping[str, str], name: str) -> Optional[str]:
     return raw
 
 
+def fake_accelerator(env: Optional[Mapping[str, str]] = None) -> Optional[tuple[str, int]]:
+    """``KAITIAN_FAKE_ACCELERATOR=mlu:N`` as ``("mlu", N)``; ``None`` when unset.
+
+    Read on its own by ``import kaitian``, which installs the fake devices
+    before anything else reads the settings.
+
+    Raises:
+        SettingError: the value is not ``mlu:N`` with N in range.
+    """
+    env = os.environ if env is None else env
+    name = "KAITIAN_FAKE_ACCELERATOR"
+    raw = env.get(name, "")
+    if raw == "":
+        return None
+    kind, _, count = raw.partition(":")
+    lo, hi = FAKE_DEVICES_RANGE
+    if kind != "mlu" or not count.isdigit() or not lo <= int(count) <= hi:
+        raise SettingError(f"{name}={raw!r}: expected mlu:N with N from {lo} to {hi} (e.g. mlu:2)")
+    return kind, int(count)
+
+
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     raw = env.get(name, "") or default
     if raw not in choices:
         raise SettingError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
     return raw
+
+
+def _indices(env: Mapping[str, str], name: str) -> Optional[tuple[int, ...]]:
+    raw = env.get(name, "")
+    if raw == "":
+        return None
+    items = [item.strip() for item in raw.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise SettingError(f"{name}={raw!r}: expected device indices such as 1,3")
+    return tuple(int(item) for item in items)
+
+
+def _text(env: Mapping[str, str], name: str) -> Optional[str]:
+    return env.get(name) or None
+
+
+def _var(name: str, read: Callable[[Mapping[str, str], str], Any], default: Any = None,
+         write: Callable[[Any], str] = str, **kw: Any) -> Any:
+    """A settings field: its variable, its reader ``read(env, name)`` and its writer ``write(value)``."""
+    return field(default=default, metadata={"env": name, "read": read, "write": write}, **kw)
+
+
+def _one_of(*choices: str) -> Callable[[Mapping[str, str], str], str]:
+    """A reader of one of ``choices`` (the first is the default)."""
+    return lambda env, name: _choice(env, name, choices[0], choices)
+
+
+def _ranged(default: Optional[int], bounds: tuple[int, int]) -> Callable[[Mapping[str, str], str], Optional[int]]:
+    return lambda env, name: _int(env, name, default, bounds)
 
 
 @dataclass(frozen=True)
@@ -81,9 +152,12 @@ class Settings:
             (``cuda``, ``mlu``, ``cpu``); ``None`` means infer it.
         device_index: ``KAITIAN_DEVICE_INDEX`` - this rank's device: its physical
             index on the host (CPU: slot index), not torch's ordinal (see
-            :mod:`kaitian.devices.visible`, which also reads
-            ``KAITIAN_VISIBLE_INDICES``, set in containers).
+            :mod:`kaitian.devices.visible`).
         device_uuid: ``KAITIAN_DEVICE_UUID`` - the device's UUID, when known.
+        visible_indices: ``KAITIAN_VISIBLE_INDICES`` - set in containers: the
+            physical indices of the devices the container holds, in the order
+            torch numbers them, so a worker turns its physical index into its
+            ordinal (its visibility variable may hold UUIDs or renumbered indices).
         group: ``KAITIAN_GROUP`` - explicit group name; defaults to the device type.
         run_dir: ``KAITIAN_RUN_DIR`` - directory shared by the job's ranks on one
             host (file store, shared-memory names); ``None`` means a private temp dir.
@@ -114,25 +188,49 @@ class Settings:
         agent_version: ``KAITIAN_AGENT_VERSION`` - ``<kaitian version>/<bridge
             protocol>`` of the kaitianrun that started this worker; a worker
             whose own kaitian differs (another image) refuses to start.
+        fake_accelerator: ``KAITIAN_FAKE_ACCELERATOR`` - ``mlu:N`` as
+            ``("mlu", N)``, N from 1 to 64: N fake MLUs
+            (:mod:`kaitian.testing.fake_accelerator`) stand in for ``torch_mlu``
+            in every process that imports kaitian, and device discovery lists
+            them; ignored where a real ``torch_mlu`` is installed.
+        elastic_id: ``KAITIAN_ELASTIC_ID`` - this worker's member id under
+            ``kaitianrun --on-failure continue`` (``<node>/<local rank>/<incarnation>``);
+            ``None``: a lost worker stops the job (:mod:`kaitian.elastic` raises the loss).
+        elastic_join: ``KAITIAN_ELASTIC_JOIN`` - ``1``: this worker joins a running
+            job (a restarted worker) and receives the training state from a member.
+        elastic_run: ``KAITIAN_ELASTIC_RUN`` - the start of the worker group whose
+            store keys this worker uses (``kaitian/elastic/<run>/``).
+        elastic_min_nodes: ``KAITIAN_ELASTIC_MIN_NODES`` - ``--nnodes`` MIN: fewer
+            nodes left cannot go on.
     """
 
-    device_type: Optional[str] = None
-    device_index: Optional[int] = None
-    device_uuid: Optional[str] = None
-    group: Optional[str] = None
-    run_dir: Optional[str] = None
-    capability: Optional[float] = None
-    bridge: str = "auto"
-    intra: str = "auto"
-    chunk_bytes: int = 1 << 20
-    config_path: str = ""
-    monitor_dir: Optional[str] = None
-    cpu_quota_mode: str = "auto"
-    bridge_addr: Optional[str] = None
-    spin_us: int = 50
-    job_key: Optional[str] = field(default=None, repr=False)
-    bridge_ports: Optional[tuple[int, int]] = None
-    agent_version: Optional[str] = None
+    device_type: Optional[str] = _var("KAITIAN_DEVICE_TYPE", _text)
+    device_index: Optional[int] = _var("KAITIAN_DEVICE_INDEX", _ranged(None, DEVICE_INDEX_RANGE))
+    device_uuid: Optional[str] = _var("KAITIAN_DEVICE_UUID", _text)
+    visible_indices: Optional[tuple[int, ...]] = _var(
+        "KAITIAN_VISIBLE_INDICES", _indices, write=lambda v: ",".join(map(str, v)))
+    group: Optional[str] = _var("KAITIAN_GROUP", _text)
+    run_dir: Optional[str] = _var("KAITIAN_RUN_DIR", _text)
+    capability: Optional[float] = _var("KAITIAN_CAPABILITY", lambda env, name: _positive(env, name, None))
+    bridge: str = _var("KAITIAN_BRIDGE", _one_of("auto", "shm", "tcp"), "auto")
+    intra: str = _var("KAITIAN_INTRA", _one_of("auto", "gloo", "shm"), "auto")
+    chunk_bytes: int = _var("KAITIAN_CHUNK_BYTES", _ranged(1 << 20, CHUNK_BYTES_RANGE), 1 << 20)
+    config_path: str = _var("KAITIAN_CONFIG", lambda env, name: env.get(name) or default_config_path(env), "")
+    monitor_dir: Optional[str] = _var("KAITIAN_MONITOR_DIR", _text)
+    cpu_quota_mode: str = _var("KAITIAN_CPU_QUOTA_MODE", _one_of("auto", "cgroup", "signal"), "auto")
+    bridge_addr: Optional[str] = _var("KAITIAN_BRIDGE_ADDR", _text)
+    spin_us: int = _var("KAITIAN_SPIN_US", _ranged(50, SPIN_US_RANGE), 50)
+    job_key: Optional[str] = _var("KAITIAN_JOB_KEY", _secret, repr=False)
+    bridge_ports: Optional[tuple[int, int]] = _var(
+        "KAITIAN_BRIDGE_PORTS", _port_range, write=lambda ports: f"{ports[0]}-{ports[1]}")
+    agent_version: Optional[str] = _var("KAITIAN_AGENT_VERSION", _text)
+    fake_accelerator: Optional[tuple[str, int]] = _var(
+        "KAITIAN_FAKE_ACCELERATOR", lambda env, name: fake_accelerator(env), write=lambda fake: f"{fake[0]}:{fake[1]}")
+    elastic_id: Optional[str] = _var("KAITIAN_ELASTIC_ID", _text)
+    elastic_join: bool = _var("KAITIAN_ELASTIC_JOIN", lambda env, name: _one_of("0", "1")(env, name) == "1", False,
+                              write=lambda join: "1" if join else "0")
+    elastic_run: str = _var("KAITIAN_ELASTIC_RUN", lambda env, name: env.get(name) or "0", "0")
+    elastic_min_nodes: int = _var("KAITIAN_ELASTIC_MIN_NODES", _ranged(1, (1, 1 << 20)), 1)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
@@ -142,38 +240,35 @@ class Settings:
             SettingError: a variable is set to a value that cannot be used.
         """
         env = os.environ if env is None else env
-        return cls(
-            device_type=env.get("KAITIAN_DEVICE_TYPE") or None,
-            device_index=_int(env, "KAITIAN_DEVICE_INDEX", None),
-            device_uuid=env.get("KAITIAN_DEVICE_UUID") or None,
-            group=env.get("KAITIAN_GROUP") or None,
-            run_dir=env.get("KAITIAN_RUN_DIR") or None,
-            capability=_float(env, "KAITIAN_CAPABILITY", None),
-            bridge=_choice(env, "KAITIAN_BRIDGE", "auto", ("auto", "shm", "tcp")),
-            intra=_choice(env, "KAITIAN_INTRA", "auto", ("auto", "gloo", "shm")),
-            chunk_bytes=_int(env, "KAITIAN_CHUNK_BYTES", 1 << 20),
-            config_path=env.get("KAITIAN_CONFIG") or default_config_path(env),
-            monitor_dir=env.get("KAITIAN_MONITOR_DIR") or None,
-            cpu_quota_mode=_choice(
-                env, "KAITIAN_CPU_QUOTA_MODE", "auto", ("auto", "cgroup", "signal")
-            ),
-            bridge_addr=env.get("KAITIAN_BRIDGE_ADDR") or None,
-            spin_us=_int(env, "KAITIAN_SPIN_US", 50),
-            job_key=_secret(env, "KAITIAN_JOB_KEY"),
-            agent_version=env.get("KAITIAN_AGENT_VERSION") or None,
-            bridge_ports=_port_range(env, "KAITIAN_BRIDGE_PORTS"),
-        )
+        return cls(**{f.name: f.metadata["read"](env, f.metadata["env"]) for f in fields(cls)})
+
+    def to_env(self) -> Dict[str, str]:
+        """The variables that give a process these settings: one for each field not at its default."""
+        return {
+            f.metadata["env"]: f.metadata["write"](getattr(self, f.name))
+            for f in fields(self) if getattr(self, f.name) != f.default
+        }
+
+    @classmethod
+    def for_device(cls, device: WorkerDevice, **settings: Any) -> "Settings":
+        """``settings`` plus the ones that give a worker ``device`` (``KAITIAN_GROUP``
+        only for an explicit group: the backend defaults the group to the device type)."""
+        return cls(device_type=device.type, device_index=device.index, device_uuid=device.uuid,
+                   group=device.group if device.explicit_group else None, **settings)
+
+    @property
+    def device(self) -> Optional[WorkerDevice]:
+        """The device a launcher gave this worker, or ``None`` without ``KAITIAN_DEVICE_TYPE``."""
+        if not self.device_type:
+            return None
+        index = self.device_index if self.device_index is not None else 0
+        return WorkerDevice(self.device_type, index, self.group or self.device_type, self.device_uuid)
 
 
 def default_config_path(env: Mapping[str, str]) -> str:
     """``$XDG_CONFIG_HOME/kaitian/config.toml`` (``~/.config`` by default)."""
     base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return os.path.join(base, "kaitian", "config.toml")
-
-
-def private_tmp_dir(prefix: str = "kaitian-") -> str:
-    """An owner-only temp directory (used when no run directory is given)."""
-    return tempfile.mkdtemp(prefix=prefix)
 
 
 def settings() -> Settings:

@@ -9,9 +9,12 @@
 
 A ``Trainer`` subclass:
 
-* the process group is initialised with backend ``"kaitian"`` before the
-  Trainer sets up its devices (``TrainingArguments.ddp_backend`` accepts only
-  Accelerate's names);
+* under a launcher, importing this module initialises the process group
+  with backend ``"kaitian"``, so ``TrainingArguments`` (which sets up the
+  devices and the group when built; its ``ddp_backend`` accepts only
+  Accelerate's names) and the Trainer find it ready, in whichever order
+  they are built; a group that exists already with another backend (created
+  before the import) is refused with a line;
 * the training loader is ``DataLoader(train_dataset,
   batch_sampler=kaitian.DistributedSampler(...).batch_sampler())`` with the
   Trainer's collator and ``per_device_train_batch_size`` as the per-rank batch
@@ -19,8 +22,8 @@ A ``Trainer`` subclass:
   it again), and ``set_epoch`` is called at every epoch;
 * ``compute_loss`` scales each rank's loss with :func:`kaitian.scale_loss`
   (count: the batch's first tensor's dim 0, or ``count_fn(inputs)``, e.g.
-  the number of non-padding label tokens), so torch's DDP averages to the
-  exact global-batch mean;
+  the number of non-padding label tokens) and the training sampler, so
+  torch's DDP averages to the exact global-batch mean;
 * ``rebalance`` is not wired in: the Trainer wraps the model in torch's DDP,
   which kaitian's :class:`kaitian.Rebalancer` cannot time; the split follows
   the capabilities from ``kaitian init``.
@@ -43,11 +46,26 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 import kaitian  # noqa: F401  registers the "kaitian" backend
+from kaitian.errors import TrainingError
 from kaitian.training.ddp import _count_samples
 from kaitian.training.sampler import DistributedSampler
 from kaitian.training.weighting import scale_loss
 
 __all__ = ["KaitianTrainer"]
+
+
+def _init_kaitian() -> None:
+    """The kaitian process group under a launcher, before anything else creates one.
+
+    ``TrainingArguments(...)`` already sets up the devices (and the process
+    group, through Accelerate) when it is built, before any Trainer exists;
+    importing this module first is what gets backend kaitian there.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("kaitian")
+
+
+_init_kaitian()
 
 
 class _SetEpoch(TrainerCallback):
@@ -78,8 +96,11 @@ class KaitianTrainer(Trainer):
         count_fn: Optional[Callable[[dict], Any]] = None,
         **kwargs: Any,
     ) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group("kaitian")
+        _init_kaitian()
+        if dist.is_initialized() and dist.get_backend() != "kaitian":
+            raise TrainingError(
+                f"KaitianTrainer: the process group was created with backend {dist.get_backend()!r} "
+                "before kaitian.transformers was imported; import it before building TrainingArguments")
         self._kt_capabilities = capabilities
         self._kt_count = count_fn or (lambda inputs: _count_samples((), dict(inputs)))
         self.kaitian_sampler: Optional[DistributedSampler] = None
@@ -105,5 +126,5 @@ class KaitianTrainer(Trainer):
                                       num_items_in_batch=num_items_in_batch)
         if return_outputs:
             loss, outputs = result
-            return scale_loss(loss, count=count), outputs
-        return scale_loss(result, count=count)
+            return scale_loss(loss, count=count, sampler=self.kaitian_sampler), outputs
+        return scale_loss(result, count=count, sampler=self.kaitian_sampler)

@@ -14,8 +14,13 @@ BACKEND_NAME = "kaitian"
 
 
 def backend_devices() -> list:
-    """Device types of the vendor table that this torch knows (``mlu`` only once
-    torch_mlu has registered it), so torch routes their tensors to kaitian."""
+    """Device types torch routes to kaitian: those of the vendor table this torch
+    knows, and torch's PrivateUse1 slot unless a known one is it.
+
+    A vendor plug-in such as torch_mlu renames PrivateUse1 when it is imported,
+    possibly after ``import kaitian``; registered as ``privateuseone``, its
+    tensors still reach kaitian, whatever the import order.
+    """
     import torch
 
     from kaitian.devices.vendors import VENDORS
@@ -27,6 +32,8 @@ def backend_devices() -> list:
         except RuntimeError:
             continue
         found.append(name)
+    if torch.device("privateuseone").type not in found:
+        found.append("privateuseone")
     return found
 
 

@@ -8,6 +8,8 @@ the peers, and hand everything to the C++ ``KaitianBackend``.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
 import secrets
@@ -24,45 +26,13 @@ from kaitian import _torch as _te
 from kaitian.backend import groups as _layout
 from kaitian.backend import shm_gc
 from kaitian.settings import Settings, settings
-from kaitian.devices.vendors import VENDORS
-from kaitian.errors import BackendSetupError, VersionMismatchError
+from kaitian.devices.vendors import VENDORS, intra_gaps
+from kaitian.errors import BackendSetupError, KaitianError, VersionMismatchError
 from kaitian.version import versions
 
-__all__ = ["create_kaitian_backend", "BackendSetupError", "INTRA_GAPS", "intra_gaps"]
+__all__ = ["create_kaitian_backend", "BackendSetupError", "vendor_timeout"]
 
 logger = logging.getLogger(__name__)
-
-
-# The routing table: what each intra-group backend cannot reduce (dtype names
-# and ReduceOp names). A reduction whose dtype or op is listed for a group skips
-# that group's vendor: its ranks take part in the bridge one by one, which
-# reduces every dtype and op. Data movement avoids only the listed dtypes (and
-# otherwise goes through the bridge anyway, unless one vendor group is the
-# whole world).
-INTRA_GAPS = {
-    # gloo's type switch has neither int16 nor bool.
-    "gloo": frozenset({"int16", "bool"}),
-    # NCCL has no int16 type and no bitwise ops; torch turns a bool SUM into MAX.
-    "nccl": frozenset({"int16", "bool", "BAND", "BOR", "BXOR"}),
-}
-
-
-def intra_gaps(device: str, intra_backend: str) -> frozenset:
-    """What a group's reductions must not ask of its vendor (see ``INTRA_GAPS``).
-
-    Args:
-        device: the group's device type (``cuda``, ``cpu``, ...).
-        intra_backend: the backend used inside the group (``nccl``, ``gloo``).
-
-    Returns:
-        Dtype and ReduceOp names. A device group's CPU tensors go through gloo,
-        and no other rank knows which device a group's tensors are on, so a
-        device group avoids gloo's gaps too (every rank must route alike). A
-        vendor not in the table is assumed to lack what NCCL lacks.
-    """
-    if device == "cpu":
-        return INTRA_GAPS["gloo"]
-    return INTRA_GAPS.get(intra_backend, INTRA_GAPS["nccl"]) | INTRA_GAPS["gloo"]
 
 
 def _group_intra_backend(device: str) -> str:
@@ -163,12 +133,27 @@ def _local_address(s: Settings) -> str:
         return "127.0.0.1"
 
 
-def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout: timedelta):
+def vendor_timeout(timeout: timedelta) -> timedelta:
+    """A vendor's own watchdog (NCCL's) fires only after kaitian's fail-stop had
+    time to tell every peer what failed."""
+    return timeout + max(timedelta(seconds=10), timeout / 4)
+
+
+def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout: timedelta,
+                    members=(), group_name: str = ""):
     """The vendor's own backend for one group, built through torch's classes/registry."""
     if name == "gloo":
         return dist.ProcessGroupGloo(store, group_rank, group_size, timeout)
-    if name == "nccl":
-        return dist.ProcessGroupNCCL(store, group_rank, group_size, _te.nccl_options(timeout))
+    # NCCL's class, or torch_mlu's CNCL class (it puts it into torch.distributed)
+    vendor_class = getattr(dist, {"nccl": "ProcessGroupNCCL", "cncl": "ProcessGroupCNCL"}.get(name, ""), None)
+    if vendor_class is not None:
+        options = _te.vendor_options(vendor_class.Options(), vendor_timeout(timeout), members, group_name)
+        pg = vendor_class(store, group_rank, group_size, options)
+        if name == "nccl":
+            from kaitian.devices.rank import rank_device, torch_device_of
+
+            _te.nccl_connect_now(pg, torch.device(torch_device_of(rank_device())))
+        return pg
     plugin = _te.backend_plugins().get(name.upper())
     if plugin is None:
         raise BackendSetupError(
@@ -178,6 +163,19 @@ def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout:
     if plugin.extended_api:
         return plugin.creator_fn(_te.backend_options(store, group_rank, group_size, timeout), None)
     return plugin.creator_fn(store, group_rank, group_size, timeout)
+
+
+def _rank_torch_device(me: _layout.RankInfo) -> Optional[torch.device]:
+    """This rank's accelerator as torch names it (a barrier orders it); ``None`` on
+    a CPU rank, or while torch does not know the device type (plug-in not loaded)."""
+    from kaitian.devices.rank import torch_device_of
+
+    if me.device.type == "cpu":
+        return None
+    try:
+        return torch.device(torch_device_of(me.device))
+    except (RuntimeError, KaitianError):
+        return None
 
 
 def _check_agent_version(s: Settings) -> None:
@@ -206,6 +204,7 @@ def create_kaitian_backend(dist_opts, backend_options=None):
     """
     from kaitian import _C
 
+    _shut_down_at_exit(_C)
     store = dist_opts.store
     rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
     timeout = _timeout_of(dist_opts)
@@ -241,7 +240,7 @@ def create_kaitian_backend(dist_opts, backend_options=None):
             intra_device = _vendor_backend(
                 vendor.intra_backend,
                 dist.PrefixStore(f"kaitian/intra/{name}/{device}/", store),
-                group_rank, group_size, timeout,
+                group_rank, group_size, timeout, members, f"kaitian/intra/{name}/{device}",
             )
         if device != "cpu" or not flat_intra:
             intra_cpu = _vendor_backend(
@@ -261,26 +260,35 @@ def create_kaitian_backend(dist_opts, backend_options=None):
     pids = [
         i.pid if (i.host == me.host and i.pid_ns == me.pid_ns) else -1 for i in infos
     ]
+    bridge_options = None
     try:
-        backend = _C.create_backend(
-            store=store, rank=rank, size=size,
-            timeout_ms=int(timeout.total_seconds() * 1000),
+        layout = _C.Layout(
             group_of=lay.group_of, group_names=lay.group_names, group_device=lay.group_device,
-            flat_intra=flat_intra, intra_device=intra_device, intra_cpu=intra_cpu,
-            bridge_kind=bridge, bridge_store=file_store,
-            shm_name=shm_gc.segment_name(token, rank), chunk_bytes=int(lead.chunk_bytes),
-            pids=pids, tcp_host=_local_address(s) if bridge == "tcp" else "",
-            tcp_key=_bridge_key(store, rank, s, timeout) if bridge == "tcp" else b"",
-            tcp_session=token, tcp_ports=s.bridge_ports or (0, 0),
-            spin_us=max(0, int(s.spin_us)),
+            flat_intra=flat_intra,
             # Reductions go segment by segment (device copies overlap the bridge).
-            segment_bytes=16 * max(4096, int(lead.chunk_bytes)),
+            segment_bytes=16 * int(lead.chunk_bytes),
             vendor_gaps=[sorted(intra_gaps(d, _group_intra_backend(d))) for d in lay.group_device],
+            device=_rank_torch_device(me),
+        )
+        if bridge == "tcp":
+            bridge_options = _C.TcpBridgeOptions(
+                host=_local_address(s), key=_bridge_key(store, rank, s, timeout), session=token,
+                ports=s.bridge_ports or (0, 0),
+            )
+        else:
+            bridge_options = _C.ShmBridgeOptions(
+                store=file_store, name=shm_gc.segment_name(token, rank), chunk_bytes=int(lead.chunk_bytes),
+                pids=pids, spin_us=int(s.spin_us),
+            )
+        backend = _C.create_backend(
+            store=store, rank=rank, size=size, timeout_ms=int(timeout.total_seconds() * 1000),
+            layout=layout, bridge=bridge_options, intra_device=intra_device, intra_cpu=intra_cpu,
         )
     finally:
-        # The file store was only the meeting point; dropping it on every rank
-        # deletes its file. A private run dir goes with it once all have met.
-        del file_store
+        # The file store was only the meeting point; dropping it (and the
+        # options holding it) on every rank deletes its file. A private run dir
+        # goes with it once all have met.
+        file_store = bridge_options = None
         if private and rank == 0:
             _remove_private_dir_later(store, run_dir, size, timeout)
         elif private:
@@ -291,6 +299,14 @@ def create_kaitian_backend(dist_opts, backend_options=None):
         "shm" if flat_intra and device == "cpu" else "vendor",
     )
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _shut_down_at_exit(c_module) -> None:
+    """Once per process: shut every live backend down before the interpreter
+    finalizes, so that a script may end without ``destroy_process_group()``
+    (an atexit handler runs while Python still serves the op threads)."""
+    atexit.register(c_module.shutdown_live_backends)
 
 
 def _remove_private_dir_later(store, path: str, size: int, timeout: timedelta) -> None:

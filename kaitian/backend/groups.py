@@ -23,12 +23,18 @@ __all__ = ["RankInfo", "Layout", "LayoutError", "local_rank_info", "exchange_inf
 
 @dataclass(frozen=True)
 class RankInfo:
-    """What one rank tells the others at construction."""
+    """What one rank tells the others at construction.
+
+    Attributes:
+        rank: its rank in the group.
+        device: its device and kaitian group.
+        host, pid, pid_ns: where it runs (who can reach its shared memory).
+        bridge, intra, chunk_bytes: its settings that must agree (rank 0's are used).
+        run_dir: its run directory (``KAITIAN_RUN_DIR``), resolved.
+    """
 
     rank: int
-    group: str
-    device_type: str
-    device_index: int
+    device: WorkerDevice
     host: str
     pid: int
     pid_ns: int
@@ -37,10 +43,13 @@ class RankInfo:
     chunk_bytes: int = 1 << 20
     run_dir: str = ""
 
-    @property
-    def device(self) -> WorkerDevice:
-        """The rank's device in the devices vocabulary (``device_type``/``device_index`` on the wire)."""
-        return WorkerDevice(self.device_type, self.device_index, self.group)
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "device": self.device.to_json()})
+
+    @classmethod
+    def from_json(cls, raw: str) -> "RankInfo":
+        d = json.loads(raw)
+        return cls(**{**d, "device": WorkerDevice.from_json(d["device"])})
 
     @property
     def node(self) -> tuple:
@@ -68,10 +77,6 @@ class Layout:
     members: List[List[int]] = field(default_factory=list)
     single_host: bool = True
 
-    def group_rank(self, rank: int) -> int:
-        """Rank ``rank``'s index inside its group."""
-        return self.members[self.group_of[rank]].index(rank)
-
 
 def local_rank_info(rank: int, s: Settings) -> RankInfo:
     """This rank's record: its device as :func:`kaitian.devices.rank.rank_device` says
@@ -79,12 +84,9 @@ def local_rank_info(rank: int, s: Settings) -> RankInfo:
     from kaitian.backend.shm_gc import pid_namespace
     from kaitian.devices.rank import rank_device
 
-    dev = rank_device()
     return RankInfo(
         rank=rank,
-        group=dev.group,
-        device_type=dev.type,
-        device_index=dev.index,
+        device=rank_device(),
         host=socket.gethostname(),
         pid=os.getpid(),
         pid_ns=pid_namespace(),
@@ -97,10 +99,10 @@ def local_rank_info(rank: int, s: Settings) -> RankInfo:
 
 def exchange_infos(store, rank: int, size: int, info: RankInfo, timeout: timedelta) -> List[RankInfo]:
     """Publishes ``info`` and returns every rank's record, in rank order."""
-    store.set(f"kaitian/info/{rank}", json.dumps(asdict(info)))
+    store.set(f"kaitian/info/{rank}", info.to_json())
     keys = [f"kaitian/info/{r}" for r in range(size)]
     store.wait(keys, timeout)
-    return [RankInfo(**json.loads(store.get(k))) for k in keys]
+    return [RankInfo.from_json(store.get(k)) for k in keys]
 
 
 def build_layout(infos: List[RankInfo]) -> Layout:
@@ -112,17 +114,18 @@ def build_layout(infos: List[RankInfo]) -> Layout:
     names: List[str] = []
     devices: Dict[str, str] = {}
     for info in infos:
-        if info.group not in devices:
-            names.append(info.group)
-            devices[info.group] = info.device_type
-        elif devices[info.group] != info.device_type:
+        group, kind = info.device.group, info.device.type
+        if group not in devices:
+            names.append(group)
+            devices[group] = kind
+        elif devices[group] != kind:
             raise LayoutError(
-                f"group {info.group!r} mixes device types {devices[info.group]!r} and "
-                f"{info.device_type!r} (rank {info.rank}); give each vendor its own KAITIAN_GROUP"
+                f"group {group!r} mixes device types {devices[group]!r} and "
+                f"{kind!r} (rank {info.rank}); give each vendor its own KAITIAN_GROUP"
             )
     index = {n: i for i, n in enumerate(names)}
-    group_of = [index[i.group] for i in infos]
-    members = [[i.rank for i in infos if i.group == n] for n in names]
+    group_of = [index[i.device.group] for i in infos]
+    members = [[i.rank for i in infos if i.device.group == n] for n in names]
     return Layout(
         group_names=names,
         group_device=[devices[n] for n in names],

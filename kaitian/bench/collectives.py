@@ -40,6 +40,9 @@ import warnings
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
+from kaitian.devices.device import WorkerDevice
+from kaitian.settings import Settings
+
 __all__ = ["main", "bus_bandwidth", "parse_size", "OPS"]
 
 # op -> bus bandwidth factor given n ranks (nccl-tests' PERFORMANCE.md); the
@@ -478,16 +481,12 @@ def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List
     groups_desc = [f"cpu{_group_of(r, nproc, groups)}" for r in range(nproc)]
     try:
         for rank in range(nproc):
-            env = dict(os.environ)
             # what kaitianrun --cpu-groups would give the rank (bench convention: torchrun's environment)
-            env.update({"KAITIAN_GROUP": groups_desc[rank], "KAITIAN_DEVICE_TYPE": "cpu",
-                        "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": workdir, "OMP_NUM_THREADS": "1",
-                        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-            if args.bridge:
-                env["KAITIAN_BRIDGE"] = args.bridge
-            if args.intra:
-                env["KAITIAN_INTRA"] = args.intra
+            kaitian = Settings.for_device(WorkerDevice("cpu", rank, groups_desc[rank]), run_dir=workdir,
+                                          bridge=args.bridge or "auto", intra=args.intra or "auto")
+            env = {**os.environ, **kaitian.to_env(), "OMP_NUM_THREADS": "1",
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             cmd = [sys.executable, "-m", "kaitian.bench.collectives", *worker_argv, "--worker"]
             procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL,
                                           start_new_session=True))

@@ -87,17 +87,19 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     Python/torch start-up, which dominates (and blurs) the whole-job numbers."""
     from kaitian._torch import DefaultLogsSpecs, start_processes
     from kaitian.devices.device import WorkerDevice
-    from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch, WorkerStart
+    from kaitian.launcher.plan import LocalWorker
+    from kaitian.launcher.runtimes.base import RunContext, WorkerStart
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
-    from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
+    from kaitian.launcher.runtimes.docker.options import DockerOptions
+    from kaitian.launcher.runtimes.options import RuntimeOptions
 
     run_dir = os.path.join(workdir, "latency-run")
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     ctx = RunContext(run_id="bench-latency", run_dir=run_dir, log_dir=None, cwd=workdir,
-                     options=RuntimeOptions(docker=DockerOptions.from_flags(images=args.image, container_user=_USER)))
+                     options=RuntimeOptions(own={"docker": DockerOptions.from_flags(images=args.image, container_user=_USER)}))
     cores = sorted(os.sched_getaffinity(0))
     workers = {
-        r: WorkerLaunch(r, r, WorkerDevice("cpu", r, f"cpu{r % args.groups}"), (cores[r % len(cores)],), None)
+        r: LocalWorker(r, WorkerDevice("cpu", r, f"cpu{r % args.groups}"), (cores[r % len(cores)],))
         for r in range(args.nproc)
     }
     runtime = DockerRuntime(ctx)

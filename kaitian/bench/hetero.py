@@ -125,7 +125,7 @@ def _worker(args: argparse.Namespace) -> int:
     runs = {}
     for mode in ("equal", "rebalance"):
         sampler = kaitian.DistributedSampler(dataset, batch_size=args.batch_size, capabilities=[1.0] * world)
-        model = kaitian.DistributedDataParallel(make_net())
+        model = kaitian.DistributedDataParallel(make_net(), sampler=sampler)
         if mode == "rebalance":
             balancer = kaitian.Rebalancer(sampler, model)
         runs[mode] = (sampler, model, torch.optim.SGD(model.parameters(), lr=0.01))
@@ -137,7 +137,7 @@ def _worker(args: argparse.Namespace) -> int:
         for mode in _phases(cycle):
             if mode == "static" and "static" not in runs:
                 sampler = kaitian.DistributedSampler(dataset, batch_size=args.batch_size, capabilities=solo_rates)
-                model = kaitian.DistributedDataParallel(make_net())
+                model = kaitian.DistributedDataParallel(make_net(), sampler=sampler)
                 runs["static"] = (sampler, model, torch.optim.SGD(model.parameters(), lr=0.01))
             dist.barrier()
             start = time.perf_counter()

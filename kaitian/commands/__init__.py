@@ -21,6 +21,7 @@ COMMANDS = {
     ("bench", "launch"): ("kaitian.bench.launch:main", "kaitianrun vs torchrun start-up and recovery"),
     ("bench", "docker"): ("kaitian.bench.docker:main", "docker runtime vs local runtime"),
     ("bench", "hetero"): ("kaitian.bench.hetero:main", "equal vs capability vs re-balanced split"),
+    ("bench", "recovery"): ("kaitian.bench.recovery:main", "a lost worker: --on-failure continue vs restarts"),
     ("images", "build"): ("kaitian.commands.images:main", "build the vendor container images"),
 }
 

@@ -18,7 +18,8 @@ def attach_capabilities(devices: List[Device]) -> None:
 
     try:
         caps = load_capabilities()
-    except KaitianError:  # a broken config must not stop the inventory
+    except KaitianError as exc:  # a broken config must not stop the inventory
+        print(f"kaitian devices: warning: {exc}", file=sys.stderr)
         return
     for d in devices:
         if d.key in caps:

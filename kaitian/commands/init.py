@@ -63,6 +63,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.refresh:
             print(f"kaitian init: {exc}", file=sys.stderr)
             return 2
+        print(f"kaitian init: {exc.args[0].split('; run')[0]}; measuring again", file=sys.stderr)
         existing = {}
     if existing.get("devices") and not args.refresh:
         print(f"kaitian is already initialised ({path}):")

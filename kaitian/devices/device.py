@@ -9,8 +9,8 @@ what the worker can see and is worked out there (:mod:`kaitian.devices.visible`)
 
 - :class:`Device`: one entry of a host's inventory (with name, memory, cores).
 - :class:`WorkerDevice`: the device one worker runs on and its kaitian group;
-  the worker plan, the rendezvous inventory, the runtime's launch record and
-  the backend's rank record all hold this one dataclass.
+  the node plan's workers, the rendezvous inventory and the backend's rank
+  record all hold this one dataclass.
 - :class:`ContainerDevices`: what a container needs to see a set of devices.
 
 Every other devices module builds on this one; it needs nothing of them.
@@ -19,18 +19,10 @@ Every other devices module builds on this one; it needs nothing of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 
-__all__ = ["Device", "WorkerDevice", "ContainerDevices", "DEVICE_ENV"]
-
-# The worker's environment variables that name its device.
-DEVICE_ENV = {
-    "type": "KAITIAN_DEVICE_TYPE",
-    "index": "KAITIAN_DEVICE_INDEX",
-    "group": "KAITIAN_GROUP",
-    "uuid": "KAITIAN_DEVICE_UUID",
-}
+__all__ = ["Device", "WorkerDevice", "ContainerDevices"]
 
 
 @dataclass
@@ -69,7 +61,7 @@ class Device:
 
     def worker_device(self, group: Optional[str] = None) -> "WorkerDevice":
         """This device as one worker's device, in ``group`` (default: its type's group)."""
-        return WorkerDevice(self.type, self.index, group or self.type, self.uuid, self.bus_id)
+        return WorkerDevice(self.type, self.index, group or self.type, self.uuid)
 
 
 @dataclass(frozen=True)
@@ -81,14 +73,12 @@ class WorkerDevice:
         index: the device's physical index on its host (``KAITIAN_DEVICE_INDEX``).
         group: kaitian group (``KAITIAN_GROUP``); defaults to ``type``.
         uuid: the vendor's device UUID (``KAITIAN_DEVICE_UUID``), if known.
-        bus_id: PCI bus id, if known (not passed to the worker).
     """
 
     type: str
     index: int
     group: str = ""
     uuid: Optional[str] = None
-    bus_id: Optional[str] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -104,37 +94,13 @@ class WorkerDevice:
         """Whether the group is not the type's own (simulated groups ``cpu0`` …)."""
         return self.group != self.type
 
-    def to_env(self) -> Dict[str, str]:
-        """The worker's ``KAITIAN_DEVICE_*`` / ``KAITIAN_GROUP`` variables.
-
-        ``KAITIAN_GROUP`` only for an explicit group, as the backend defaults
-        the group to the device type.
-        """
-        env = {DEVICE_ENV["type"]: self.type, DEVICE_ENV["index"]: str(self.index)}
-        if self.explicit_group:
-            env[DEVICE_ENV["group"]] = self.group
-        if self.uuid:
-            env[DEVICE_ENV["uuid"]] = self.uuid
-        return env
-
     def to_json(self) -> list:
-        """``[type, index, group]`` (the rendezvous inventory's wire form)."""
+        """``[type, index, group]`` (the wire form in the rendezvous and the backend's rank records)."""
         return [self.type, self.index, self.group]
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Optional["WorkerDevice"]:
-        """The device a launcher gave this worker, or ``None`` without ``KAITIAN_DEVICE_TYPE``.
-
-        Raises:
-            SettingError: ``KAITIAN_DEVICE_INDEX`` is not an integer.
-        """
-        from kaitian.settings import Settings
-
-        s = Settings.from_env(env)
-        if not s.device_type:
-            return None
-        index = s.device_index if s.device_index is not None else 0
-        return cls(s.device_type, index, s.group or s.device_type, s.device_uuid)
+    def from_json(cls, raw: Sequence) -> "WorkerDevice":
+        return cls(str(raw[0]), int(raw[1]), str(raw[2]))
 
 
 @dataclass(frozen=True)
@@ -145,11 +111,8 @@ class ContainerDevices:
         device_requests: docker SDK ``DeviceRequest`` keyword arguments (NVIDIA:
             GPUs by UUID where known, else by physical index).
         device_nodes: device nodes as ``host:container:rwm`` (Cambricon).
-        env: variables every worker in the container gets: the vendor's
-            visibility variable listing the container's devices in the
-            container's order, and ``KAITIAN_VISIBLE_INDICES`` with their
-            physical indices in the same order (so a worker turns
-            ``KAITIAN_DEVICE_INDEX`` into its torch ordinal).
+        env: the vendor's variables for the container's view: its visibility
+            variable listing the container's devices in the container's order.
         index_map: physical index -> torch ordinal inside the container.
     """
 
@@ -157,3 +120,8 @@ class ContainerDevices:
     device_nodes: Tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     index_map: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def visible_indices(self) -> Tuple[int, ...]:
+        """The devices' physical indices in the container's order (``KAITIAN_VISIBLE_INDICES``)."""
+        return tuple(sorted(self.index_map, key=self.index_map.__getitem__))

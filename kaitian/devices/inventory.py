@@ -30,18 +30,11 @@ __all__ = [
     "format_table",
 ]
 
-_cpu_slots = cpu_slots  # discover()'s parameter shadows the name
-
-
-def discover(
-    cpu_slots: Optional[int] = None, detail: bool = True, env: Optional[Mapping[str, str]] = None
-) -> List[Device]:
+def discover(slots: Optional[int] = None, env: Optional[Mapping[str, str]] = None) -> List[Device]:
     """Every device on this host, accelerators first, CPU slots last.
 
     Args:
-        cpu_slots: number of CPU slots (default: one per NUMA node).
-        detail: kept for callers of the old fast path; every probe is now
-            cheap and torch-free, so it changes nothing.
+        slots: number of CPU slots (default: one per NUMA node).
         env: environment holding the visibility variables (default ``os.environ``).
 
     Returns:
@@ -55,7 +48,7 @@ def discover(
     for name in vendor_names():
         v = vendor(name)
         if name == "cpu":
-            found.extend(_cpu_slots(cpu_slots))
+            found.extend(cpu_slots(slots))
         elif v.probe is not None:
             try:
                 devices = v.probe()

@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 
 from kaitian.devices.device import WorkerDevice
-from kaitian.devices.vendors import VENDORS, vendor
+from kaitian.devices.vendors import VENDORS, Vendor, vendor
 from kaitian.devices.visible import torch_ordinal
+from kaitian.settings import Settings
 
 __all__ = [
     "device", "set_device", "local_device_count", "manual_seed", "device_type", "rank_device", "torch_device_of",
@@ -33,18 +34,20 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
-def _accelerators() -> list:
-    """Vendors other than the CPU that torch sees at least one device of in this process."""
-    found = []
+def _accelerators() -> Iterator[Vendor]:
+    """Vendors other than the CPU that torch sees at least one device of, in table order.
+
+    Lazy: a vendor's plug-in (``torch_mlu``, with its global monkeypatches) is
+    imported only when no vendor before it has a device.
+    """
     for v in VENDORS.values():
         if v.name == "cpu":
             continue
         try:
             if v.count() > 0:
-                found.append(v)
+                yield v
         except Exception:  # a broken vendor plug-in must not break the CPU path
             _log.debug("device count for %s failed", v.name, exc_info=True)
-    return found
 
 
 def rank_device(env: Optional[Mapping[str, str]] = None, rank: Optional[int] = None) -> WorkerDevice:
@@ -59,19 +62,18 @@ def rank_device(env: Optional[Mapping[str, str]] = None, rank: Optional[int] = N
         UnknownVendorError: ``KAITIAN_DEVICE_TYPE`` names no known type.
     """
     env = os.environ if env is None else env
-    given = WorkerDevice.from_env(env)
-    if given is not None:
-        vendor(given.type)  # raises a clear error for an unknown type
-        return given
-    accelerators = _accelerators()
-    if not accelerators:
-        return WorkerDevice("cpu", 0, env.get("KAITIAN_GROUP") or "cpu")
-    v = accelerators[0]
-    if env.get("KAITIAN_DEVICE_INDEX"):
-        index = WorkerDevice.from_env({**env, "KAITIAN_DEVICE_TYPE": v.name}).index  # type: ignore[union-attr]
+    s = Settings.from_env(env)
+    if s.device is not None:
+        vendor(s.device.type)  # raises a clear error for an unknown type
+        return s.device
+    v = next(_accelerators(), None)
+    if v is None:
+        return WorkerDevice("cpu", 0, s.group or "cpu")
+    if s.device_index is not None:
+        index = s.device_index
     else:
         index = (int(env.get("LOCAL_RANK", "0") or 0) if rank is None else rank) % max(1, v.count())
-    return WorkerDevice(v.name, index, env.get("KAITIAN_GROUP") or v.name)
+    return WorkerDevice(v.name, index, s.group or v.name)
 
 
 def torch_device_of(dev: WorkerDevice, env: Optional[Mapping[str, str]] = None) -> str:
@@ -97,7 +99,7 @@ def _torch_index(rank: Optional[int] = None) -> Optional[int]:
     dev = rank_device(env, rank)
     if dev.type == "cpu":
         return None
-    if WorkerDevice.from_env(env) is None:
+    if Settings.from_env(env).device is None:
         return dev.index  # inferred: already torch's ordinal
     return torch_ordinal(dev, vendor(dev.type).visible_env, env)
 

@@ -5,23 +5,25 @@ entries are physical indices or UUIDs (a unique ``GPU-…`` prefix is enough),
 read as CUDA reads them (an entry that names no device ends the list). The
 devices keep their physical index (``cuda:2`` stays ``cuda:2``).
 
-In a worker, torch numbers the devices it sees from 0: :func:`torch_ordinal`
-turns ``KAITIAN_DEVICE_INDEX`` (physical) into that ordinal.
+What a worker sees is decided once, by :func:`worker_visibility` (its runtime
+calls it with the container's view where there is one). In the worker, torch
+numbers the devices it sees from 0: :func:`torch_ordinal` turns
+``KAITIAN_DEVICE_INDEX`` (physical) into that ordinal.
 """
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
-from kaitian.devices.device import Device, WorkerDevice
+from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
+from kaitian.devices.vendors import VENDORS
 from kaitian.errors import DeviceSelectionError
+from kaitian.settings import Settings
 
-__all__ = ["VISIBLE_INDICES_ENV", "parse_visible", "visible_devices", "torch_ordinal"]
+__all__ = ["parse_visible", "visible_devices", "torch_ordinal", "worker_visibility"]
 
-# Set by a container runtime: the physical indices of the devices the container
-# sees, in the container's order (its visibility variable may hold UUIDs or
-# renumbered indices, neither of which names the host's index).
-VISIBLE_INDICES_ENV = "KAITIAN_VISIBLE_INDICES"
+# The vendor whose visibility torchrun's --virtual-local-rank narrows to one device.
+_VIRTUAL_LOCAL_RANK_VENDOR = "cuda"
 
 
 def parse_visible(raw: str) -> List[str]:
@@ -69,14 +71,13 @@ def torch_ordinal(device: WorkerDevice, visible_env: Optional[str], env: Mapping
     Raises:
         DeviceSelectionError: the worker cannot see its device.
     """
-    indices = env.get(VISIBLE_INDICES_ENV)
-    if indices:
-        listed = parse_visible(indices)
-        if str(device.index) in listed:
-            return listed.index(str(device.index))
+    listed = Settings.from_env(env).visible_indices
+    if listed:
+        if device.index in listed:
+            return listed.index(device.index)
         raise DeviceSelectionError(
             f"KAITIAN_DEVICE_INDEX={device.index} is not among this container's devices "
-            f"({VISIBLE_INDICES_ENV}={indices})"
+            f"(KAITIAN_VISIBLE_INDICES={','.join(map(str, listed))})"
         )
     raw = env.get(visible_env) if visible_env else None
     if raw is None:
@@ -91,3 +92,47 @@ def torch_ordinal(device: WorkerDevice, visible_env: Optional[str], env: Mapping
         f"{device.type} device {device.index} is not visible to this worker ({visible_env}={raw}); "
         f"leave {visible_env} to kaitianrun or include the device"
     )
+
+
+def worker_visibility(
+    device: WorkerDevice,
+    *,
+    hide_other_vendors: bool = False,
+    own_device_only: bool = False,
+    container: Optional[ContainerDevices] = None,
+) -> Dict[str, str]:
+    """The visibility variables a worker gets: what it sees of each vendor's devices.
+
+    Its own vendor: in a container, the container's devices in the container's
+    order (and ``KAITIAN_VISIBLE_INDICES``, their physical indices); on the host,
+    what the agent sees (nothing is written). With ``own_device_only``
+    (torchrun's ``--virtual-local-rank``, which narrows ``CUDA_VISIBLE_DEVICES``)
+    a CUDA worker sees only its own GPU. Another vendor's devices are hidden
+    (``""``) with ``hide_other_vendors``, else left as the agent sees them.
+
+    Args:
+        device: the worker's device (physical index).
+        hide_other_vendors: hide every other vendor's devices (``--nproc-auto``).
+        own_device_only: ``--virtual-local-rank``.
+        container: the worker's container's devices, or ``None`` on the host.
+    """
+    env: Dict[str, str] = {}
+    for v in VENDORS.values():
+        if v.visible_env is None:
+            continue
+        if v.name != device.type:
+            if hide_other_vendors:
+                env[v.visible_env] = ""
+            continue
+        own_only = own_device_only and v.name == _VIRTUAL_LOCAL_RANK_VENDOR
+        if container is None:
+            if own_only:
+                env[v.visible_env] = device.uuid or str(device.index)
+            continue
+        env.update(container.env)
+        indices = container.visible_indices
+        if own_only and len(indices) > 1 and device.index in indices:
+            env[v.visible_env] = parse_visible(container.env[v.visible_env])[container.index_map[device.index]]
+            indices = (device.index,)
+        env.update(Settings(visible_indices=indices).to_env())
+    return env

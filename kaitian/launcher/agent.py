@@ -1,11 +1,18 @@
-"""``KaitianAgent``: torchelastic's ``SimpleElasticAgent`` with kaitian's rank layout and runtimes.
+"""``KaitianAgent``: torch's ``LocalElasticAgent`` with kaitian's rank layout, variables and runtimes.
 
-The template method (rendezvous, start, monitor, restart, exit barrier) is
-torch's. This class fills in the four hooks and replaces the rank
-assignment: nodes exchange their device inventories and ranks are laid out
-grouped by vendor (:mod:`kaitian.launcher.placement`). Workers get exactly the
-environment ``LocalElasticAgent`` gives them, plus the ``KAITIAN_*`` ones, and
-are started by a :class:`~kaitian.launcher.runtimes.base.Runtime`.
+torch's agent runs the job (rendezvous, start, monitor, restart, exit barrier,
+watchdog, health check) and gives every worker this torch release's torchrun
+environment. kaitian changes four things:
+
+- the ranks: nodes exchange their device inventories and ranks are laid out
+  grouped by vendor (``_assign_worker_ranks``, :mod:`kaitian.launcher.placement`);
+- the workers' store: node 0 serves a fresh one after a restart (``_serve_worker_store``);
+- where workers run: the processes torch would start (its arguments and
+  environments) get kaitian's variables and go to a
+  :class:`~kaitian.launcher.runtimes.base.Runtime` (``_start_workers``);
+- ``--on-failure continue``: workers are watched and started again one by one
+  (``_monitor_workers``, ``_restart_workers``, ``_exit_barrier``;
+  :mod:`kaitian.launcher.continuing`).
 """
 
 from __future__ import annotations
@@ -14,105 +21,94 @@ import logging
 import os
 import secrets
 import signal
-import tempfile
-import time
-import uuid
-from typing import Any, Dict, List, Optional, Tuple
+import socket
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from kaitian.devices import vendors as _vendors
 from kaitian import _torch as _te
 from kaitian.errors import RendezvousError
-from kaitian.launcher.placement import Slot
-from kaitian.launcher.logs import line_prefixes
-from kaitian.launcher.plan import WorkerPlan
-from kaitian.launcher.rendezvous import NodePlan, agree_on_placement, local_inventory
-from kaitian.launcher.rundir import RunDir
-from kaitian.launcher.runtimes.base import Runtime, WorkerLaunch, WorkerStart
-from kaitian.settings import settings
+from kaitian.launcher.continuing import (
+    Continuation, WorkerProcess, device_present, job_record, publish_live_job, read_live_job,
+)
+from kaitian.launcher.logs import line_prefixes, one_worker_logs
+from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.rendezvous import NodePlacement, agree_on_placement, local_inventory
+from kaitian.launcher.runtimes.base import WorkerStart
+from kaitian.settings import Settings, settings
 from kaitian.version import versions
+
+if TYPE_CHECKING:
+    from kaitian.launcher.launch import KaitianLaunch
 
 __all__ = ["KaitianAgent"]
 
 logger = logging.getLogger(__name__)
 
 
-class KaitianAgent(_te.SimpleElasticAgent):
+class KaitianAgent(_te.LocalElasticAgent):
     """Starts, monitors and restarts this node's workers through a runtime.
 
     Args:
-        spec: torchelastic's worker spec (``local_world_size == len(plans)``).
-        logs_specs: where worker logs and error files go.
-        runtime: starts the workers (local subprocesses, docker exec, ...).
-        plans: one :class:`WorkerPlan` per local rank.
-        run_dir: this agent's run directory.
-        start_method: multiprocessing start method (function entrypoints).
-        log_line_prefix_template: ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``.
-        shutdown_timeout: seconds between the stop signal and SIGKILL.
-        capabilities: device key -> samples/s (``KAITIAN_CAPABILITY``).
-        monitor_dir: ``--monitor`` directory (``KAITIAN_MONITOR_DIR``), or ``None``.
-        monitor: an ``AgentMonitor`` fed with worker pids after each start.
-        omp_from_user: ``OMP_NUM_THREADS`` was set by the user (it then wins
-            over a CPU slot's core count).
-        exit_barrier_timeout: as torch's.
-        worker_store_port: the fixed port of the workers' store on node 0, kept
-            across restarts (``None``: a free port after each restart).
+        spec: torchelastic's worker spec (``local_world_size``: the plan's workers).
+        config: torchrun's launch config (logs specs, start method, line prefix
+            template, shutdown timeout, ``--nnodes`` MIN).
+        launch: what kaitian adds (:class:`~kaitian.launcher.launch.KaitianLaunch`).
+        monitor: an ``AgentMonitor`` fed with worker pids after each start, or ``None``.
     """
 
-    def __init__(
-        self,
-        spec: "_te.WorkerSpec",
-        logs_specs: "_te.LogsSpecs",
-        runtime: Runtime,
-        plans: List[WorkerPlan],
-        run_dir: RunDir,
-        start_method: str = "spawn",
-        log_line_prefix_template: Optional[str] = None,
-        shutdown_timeout: int = 30,
-        capabilities: Optional[Dict[str, float]] = None,
-        monitor_dir: Optional[str] = None,
-        monitor: Any = None,
-        omp_from_user: bool = False,
-        exit_barrier_timeout: float = 300,
-        worker_store_port: Optional[int] = None,
-    ) -> None:
-        if spec.local_world_size != len(plans):
-            raise ValueError(f"local_world_size {spec.local_world_size} != {len(plans)} planned workers")
-        super().__init__(spec, exit_barrier_timeout)
-        self._shutdown_timeout = shutdown_timeout  # torch < 2.12's agent takes none
-        self._logs_specs = logs_specs
-        self._runtime = runtime
-        self._plans = plans
-        self._run_dir = run_dir
-        self._start_method = start_method
-        self._log_line_prefix_template = log_line_prefix_template
-        self._capabilities = capabilities or {}
-        self._monitor_dir = monitor_dir
+    def __init__(self, spec: "_te.WorkerSpec", config: "_te.LaunchConfig", launch: "KaitianLaunch",
+                 monitor: Any = None) -> None:
+        if spec.local_world_size != len(launch.plan.workers):
+            raise ValueError(f"local_world_size {spec.local_world_size} != {len(launch.plan.workers)} planned workers")
+        shutdown_timeout = _te.launch_option(config, "shutdown_timeout")  # torch 2.12+
+        _te.call_supported(
+            super().__init__, spec, logs_specs=config.logs_specs, start_method=config.start_method,
+            log_line_prefix_template=config.log_line_prefix_template, shutdown_timeout=shutdown_timeout,
+        )
+        self._shutdown_timeout = 30 if shutdown_timeout is None else shutdown_timeout
+        self._launch = launch
+        self._plan = launch.plan
+        self._runtime = launch.runtime
+        self._min_nodes = config.min_nodes
         self._monitor = monitor
-        self._omp_from_user = omp_from_user
-        self._pcontext: Optional[_te.PContext] = None
-        self._watchdog = None
-        self._health_check_server = None
-        self._plan: Optional[NodePlan] = None  # this round's placement, from node 0
+        self._placement: Optional[NodePlacement] = None  # this round's, from node 0
         self._starts = 0
-        self._worker_store = None  # the store node 0 serves to its workers after a restart
-        self._worker_store_fixed_port = worker_store_port
+        self._served_store = None  # the store node 0 serves to its workers after a restart
+        self._workers_store: Tuple[str, int] = ("", 0)  # the address this start's workers use
+        self._node = f"{socket.gethostname()}:{os.getpid()}"  # names this agent's workers in continue mode
+        self._torchrun: Dict[int, Tuple[tuple, Dict[str, str]]] = {}  # local rank -> torch's args and environment
+        self._continuation: Optional[Continuation] = None
+        self._serves_store = False
+        self._joins: Optional[Dict[str, Any]] = None  # the live job a new node joins (continue mode)
+        self._elastic_run = "0"
+        self._job_key_value = ""
+        self._start_dir = ""
+
+    @property
+    def _continues(self) -> bool:
+        return self._launch.on_failure == "continue"
 
     # -- rank layout ----------------------------------------------------------
-
-    def _local_slots(self) -> List[Slot]:
-        role = self._worker_group.spec.role
-        return [Slot(p.device, role) for p in self._plans]
 
     def _assign_worker_ranks(
         self, store, group_rank: int, group_world_size: int, spec: "_te.WorkerSpec"
     ) -> List["_te.Worker"]:
-        """Agrees on the round's placement (decided once, by node 0) and lays ranks out by vendor."""
-        self._worker_store = None  # node 0 of the previous round serves no more (this one may not be node 0)
-        plan = agree_on_placement(
-            store, group_rank, group_world_size, local_inventory(self._local_slots()),
-            serve_worker_store=lambda: self._serve_worker_store(spec),
+        """Agrees on the round's placement (decided once, by node 0) and lays ranks out by vendor.
+
+        Continue mode: agents whose workers keep running publish the live job
+        (before their inventory, so whoever reads the placement can read it); a
+        node new to the job starts its workers as joiners of it.
+        """
+        live = self._live_job()
+        if live is None:
+            self._served_store = None  # node 0 of the previous round serves no more (this one may not be node 0)
+        else:
+            publish_live_job(store, live)
+        self._placement = agree_on_placement(
+            store, group_rank, group_world_size,
+            local_inventory(spec.role, [w.device for w in self._plan.workers]),
+            serve_worker_store=lambda: self._serve_worker_store(spec, store),
         )
-        self._plan = plan
+        self._joins = read_live_job(store) if live is None and self._continues else None
         return [
             _te.Worker(
                 local_rank=local_rank,
@@ -121,12 +117,12 @@ class KaitianAgent(_te.SimpleElasticAgent):
                 world_size=p.world_size,
                 role_world_size=p.role_world_size,
             )
-            for local_rank, p in enumerate(plan.placements)
+            for local_rank, p in enumerate(self._placement.placements)
         ]
 
     # -- the workers' store ---------------------------------------------------
 
-    def _serve_worker_store(self, spec: "_te.WorkerSpec") -> Optional[Tuple[str, int]]:
+    def _serve_worker_store(self, spec: "_te.WorkerSpec", store) -> Optional[Tuple[str, int]]:
         """Node 0: the store this start's workers use, published to every node with the placement.
 
         torch 2.13 workers join the agent's store without a per-attempt prefix
@@ -134,12 +130,15 @@ class KaitianAgent(_te.SimpleElasticAgent):
         restart, so restarted workers would read the previous attempt's keys
         (gloo connects to dead peers and the job hangs, under torchrun too).
         Node 0 therefore serves a fresh store for every start after its first
-        (whose store is torchrun's exact one), on ``worker_store_port`` when
-        one is configured (firewalled clusters), else on a free port. Every
-        node takes the address from node 0's plan, never from torch's cache:
-        after the node that held the store is lost, torch's cache on the
-        survivors still names it.
+        (whose store is torchrun's exact one), on ``--master-port`` when one
+        is given (firewalled clusters), else on a free port. Every node takes
+        the address from node 0's placement, never from torch's cache: after
+        the node that held the store is lost, torch's cache on the survivors
+        still names it. In continue mode a running job keeps its store.
         """
+        live = read_live_job(store) if self._continues else None
+        if live is not None:
+            return tuple(live["store"])
         if not spec.rdzv_handler.use_agent_store:
             return None  # worker rank 0 hosts the store (torchrun's MASTER_ADDR / MASTER_PORT)
         info = getattr(spec.rdzv_handler, "last_info", None)
@@ -148,21 +147,19 @@ class KaitianAgent(_te.SimpleElasticAgent):
         port = spec.master_port or (bootstrap.master_port if bootstrap else None)
         if addr is None or port is None:
             return None
-        if self._starts == 0 and (self._worker_store_fixed_port is None or self._worker_store_fixed_port == port):
+        fixed = self._launch.worker_store_port
+        if self._starts == 0 and (fixed is None or fixed == port):
             return addr, int(port)
         import torch.distributed as dist
 
-        wanted = self._worker_store_fixed_port or 0
         try:
-            self._worker_store = dist.TCPStore(
-                host_name=addr, port=wanted, is_master=True, wait_for_workers=False
-            )
+            self._served_store = dist.TCPStore(host_name=addr, port=fixed or 0, is_master=True, wait_for_workers=False)
         except RuntimeError as e:
             raise RendezvousError(
-                f"cannot serve the workers' store on port {wanted} of {addr} ({e}); "
+                f"cannot serve the workers' store on port {fixed or 0} of {addr} ({e}); "
                 "free the port or choose another --master-port"
             ) from None
-        return addr, int(self._worker_store.port)
+        return addr, int(self._served_store.port)
 
     # -- the job key -------------------------------------------------------------
 
@@ -180,209 +177,211 @@ class KaitianAgent(_te.SimpleElasticAgent):
             return given
         if worker_group.group_world_size == 1:
             return secrets.token_hex(32)
-        key = f"kaitian/job_key/{self._plan.epoch}"  # the round's exchange number, the same on every node
+        key = f"kaitian/job_key/{self._placement.epoch}"  # the round's exchange number, the same on every node
         if worker_group.group_rank == 0:
             worker_group.store.set(key, secrets.token_hex(32))
         return worker_group.store.get(key).decode()
 
-    # -- the worker environment ----------------------------------------------
-
-    def _torchrun_env(self, worker_group: "_te.WorkerGroup", worker: "_te.Worker", restart_count: int) -> Dict[str, str]:
-        """Exactly what ``LocalElasticAgent._start_workers`` gives a worker."""
-        spec = worker_group.spec
-        env = {
-            "RANK": str(worker.global_rank),
-            "GROUP_RANK": str(worker_group.group_rank),
-            "ROLE_RANK": str(worker.role_rank),
-            "ROLE_NAME": spec.role,
-            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
-            "WORLD_SIZE": str(worker.world_size),
-            "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
-            "ROLE_WORLD_SIZE": str(worker.role_world_size),
-            "MASTER_ADDR": worker_group.master_addr,
-            "MASTER_PORT": str(worker_group.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-            "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
-            "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", str(1)),
-        }
-        local_rank = worker.local_rank
-        if getattr(spec, "virtual_local_rank", False):  # torch 2.10+
-            env["LOCAL_RANK"] = "0"
-            parent = os.getenv("CUDA_VISIBLE_DEVICES")
-            if parent is not None:
-                gpus = parent.split(",")
-                if local_rank >= len(gpus):
-                    raise ValueError(
-                        f"local_rank {local_rank} exceeds available GPUs in CUDA_VISIBLE_DEVICES={parent}"
-                    )
-                env["CUDA_VISIBLE_DEVICES"] = gpus[local_rank].strip()
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
-        else:
-            env["LOCAL_RANK"] = str(local_rank)
-            if "CUDA_VISIBLE_DEVICES" in os.environ:
-                env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
-        if "OMP_NUM_THREADS" in os.environ:
-            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-        return env
-
-    def _kaitian_env(self, plan: WorkerPlan, start_dir: str, job_key: str) -> Dict[str, str]:
-        env = {**plan.device.to_env(), "KAITIAN_RUN_DIR": start_dir, "KAITIAN_JOB_KEY": job_key,
-               "KAITIAN_AGENT_VERSION": versions()}
-        if plan.key in self._capabilities:
-            env["KAITIAN_CAPABILITY"] = repr(float(self._capabilities[plan.key]))
-        if self._monitor_dir:
-            env["KAITIAN_MONITOR_DIR"] = self._monitor_dir
-        if plan.omp_threads is not None and not self._omp_from_user:
-            env["OMP_NUM_THREADS"] = str(plan.omp_threads)
-        if plan.hide_other_vendors:
-            for v in _vendors.VENDORS.values():
-                if v.visible_env and v.name != plan.device.type:
-                    env[v.visible_env] = ""
-        return env
-
-    # -- watchdog / health check (as LocalElasticAgent) ------------------------
-
-    def _setup_watchdog(self, envs: Dict[int, Dict[str, str]]) -> None:
-        path = os.getenv(_te.TORCHELASTIC_TIMER_FILE)
-        if os.getenv(_te.TORCHELASTIC_ENABLE_FILE_TIMER) == "1":
-            if path is None:
-                path = os.path.join(tempfile.gettempdir(), "watchdog_timer_" + str(uuid.uuid4()))
-            run_id = envs[0]["TORCHELASTIC_RUN_ID"] if envs else ""
-            self._watchdog = _te.timer.FileTimerServer(
-                file_path=path, run_id=run_id, max_interval=0.1, daemon=True
-            )
-            self._watchdog.start()
-        if path is not None:
-            for env in envs.values():
-                env[_te.TORCHELASTIC_TIMER_FILE] = path
-
-    def _setup_healthcheck(self) -> None:
-        port = os.getenv(_te.TORCHELASTIC_HEALTH_CHECK_PORT)
-        if port is None or self._health_check_server is not None:
-            return
-        try:
-            callback = (
-                self._watchdog.get_last_progress_time
-                if self._watchdog is not None
-                else (lambda: int(time.time()))
-            )
-            self._health_check_server = _te.create_healthcheck_server(
-                alive_callback=callback, port=int(port), timeout=60
-            )
-            self._health_check_server.start()
-        except ValueError:
-            logger.info("Invalid healthcheck port value: %r; not starting the health check", port)
-
-    # -- the four hooks ----------------------------------------------------------
+    # -- starting workers ----------------------------------------------------------
 
     def _start_workers(self, worker_group: "_te.WorkerGroup") -> Dict[int, Any]:
-        spec = worker_group.spec
-        if worker_group.store is None:
-            raise AssertionError("worker group has no store; rendezvous first")
-        restart_count = spec.max_restarts - self._remaining_restarts
-        start_dir = self._run_dir.new_start()
-        if self._plan is not None and self._plan.worker_store is not None:
-            worker_group.master_addr, worker_group.master_port = self._plan.worker_store
+        """torch's start (torchrun's environment, watchdog, health check), its
+        processes handed to the runtime with kaitian's variables."""
+        self._start_dir = self._launch.run_dir.new_start()
+        if self._placement is not None and self._placement.worker_store is not None:
+            worker_group.master_addr, worker_group.master_port = self._placement.worker_store
+        joining = self._joins is not None  # continue mode: this node joins a running job
+        self._serves_store = worker_group.group_rank == 0 and not joining
+        self._workers_store = (worker_group.master_addr, int(worker_group.master_port))
         self._starts += 1
-        job_key = self._job_key(worker_group)
+        if joining:  # a key given to kaitianrun is never published: then every node has it
+            self._elastic_run = self._joins["run"]
+            self._job_key_value = self._joins["key"] or self._job_key(worker_group)
+        else:
+            self._elastic_run = str(self._placement.epoch if self._placement is not None else self._starts)
+            self._job_key_value = self._job_key(worker_group)
+        members = {w.local_rank: f"{self._node}/{w.local_rank}/0" for w in worker_group.workers}
 
+        def to_runtime(*, args: Dict[int, tuple], envs: Dict[int, Dict[str, str]], **_: Any) -> "_te.PContext":
+            self._torchrun = {lr: (args[lr], envs[lr]) for lr in envs}
+            return self._runtime.start(self._worker_start(worker_group.workers, members, joining))
+
+        with _te.workers_started_by(to_runtime):
+            pids = super()._start_workers(worker_group)
+        if self._continues:
+            self._continuation = self._continue(worker_group, members)
+        self._workers_started(worker_group)
+        return pids
+
+    def _worker_start(self, workers: List["_te.Worker"], members: Dict[int, str], joining: bool,
+                      restart_count: Optional[int] = None) -> WorkerStart:
+        """What the runtime runs for ``workers``, numbered 0.. in this start: each one's
+        torchrun arguments and environment with kaitian's variables on top.
+
+        Args:
+            workers: the group's, or one worker started again alone (with ``restart_count``).
+            members: local rank -> member id (continue mode).
+            joining: the workers join a running job (continue mode).
+            restart_count: a worker started alone: its ``TORCHELASTIC_RESTART_COUNT``.
+        """
+        spec = self._worker_group.spec
         args: Dict[int, tuple] = {}
         envs: Dict[int, Dict[str, str]] = {}
-        launches: Dict[int, WorkerLaunch] = {}
+        started: Dict[int, LocalWorker] = {}
         prefix_fields: Dict[int, Dict[str, object]] = {}
-        for worker in worker_group.workers:
-            local_rank = worker.local_rank
-            plan = self._plans[local_rank]
-            env = self._torchrun_env(worker_group, worker, restart_count)
-            env.update(self._kaitian_env(plan, start_dir, job_key))
-            if getattr(spec, "virtual_local_rank", False) and plan.device.type == "cuda":  # torch 2.10+
-                # torchrun shows worker i the i-th GPU; kaitian shows it its planned one
-                env["CUDA_VISIBLE_DEVICES"] = plan.device.uuid or str(plan.device.index)
-            envs[local_rank] = env
-            args[local_rank] = tuple(_te.macros.substitute(list(spec.args), str(local_rank)))
-            launches[local_rank] = WorkerLaunch(
-                local_rank=local_rank,
-                global_rank=worker.global_rank,
-                device=plan.device,
-                cpus=plan.cpus,
-                cpu_quota=plan.cpu_quota,
-            )
-            prefix_fields[local_rank] = {
+        for key, worker in enumerate(workers):
+            planned = self._plan.workers[worker.local_rank]
+            args[key], torchrun_env = self._torchrun[worker.local_rank]
+            envs[key] = {**torchrun_env, **self._kaitian_env(planned, members[worker.local_rank], joining)}
+            if restart_count is not None:
+                envs[key]["TORCHELASTIC_RESTART_COUNT"] = str(restart_count)
+            started[key] = planned
+            prefix_fields[key] = {
                 "rank": worker.global_rank,
-                "local_rank": local_rank,
+                "local_rank": worker.local_rank,
                 "role_name": spec.role,
-                "group": plan.device.group,
-                "vendor": plan.device.type,
+                "group": planned.device.group,
+                "vendor": planned.device.type,
             }
-
-        self._setup_watchdog(envs)
-        self._setup_healthcheck()
-        if spec.entrypoint is None:
-            raise AssertionError("worker spec has no entrypoint")
-        self._pcontext = self._runtime.start(WorkerStart(
+        alone = restart_count is not None  # logged at its local rank
+        return WorkerStart(
             name=spec.role,
             entrypoint=spec.entrypoint,
             args=args,
             envs=envs,
-            logs_specs=self._logs_specs,
-            workers=launches,
+            logs_specs=one_worker_logs(self._logs_specs, workers[0].local_rank) if alone else self._logs_specs,
+            workers=started,
             log_line_prefixes=line_prefixes(self._log_line_prefix_template, prefix_fields),
             start_method=self._start_method,
-        ))
-        pids = self._pcontext.pids()
-        self._run_dir.record_workers(pids)
+        )
+
+    def _kaitian_env(self, worker: LocalWorker, member: str, joining: bool) -> Dict[str, str]:
+        """What kaitian adds to a worker's torchrun environment (what it sees: the runtime's)."""
+        launch = self._launch
+        capability = launch.capabilities.get(worker.device.key)
+        elastic = dict(elastic_id=member, elastic_run=self._elastic_run, elastic_min_nodes=self._min_nodes,
+                       elastic_join=joining) if self._continues else {}
+        env = Settings.for_device(
+            worker.device, run_dir=self._start_dir, job_key=self._job_key_value, agent_version=versions(),
+            capability=None if capability is None else float(capability), monitor_dir=launch.monitor_dir, **elastic,
+        ).to_env()
+        if worker.cpus and not launch.omp_from_user:
+            env["OMP_NUM_THREADS"] = str(len(worker.cpus))
+        return env
+
+    def _workers_started(self, worker_group: "_te.WorkerGroup") -> None:
+        """Records the running workers' pids (run directory, monitor)."""
+        if self._continuation is not None:
+            ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+            pids = {ranks[w.local_rank]: w.context.pids()[w.key] for w in self._continuation.workers.values()
+                    if w.exit_code is None}
+        else:
+            pids = {w.global_rank: self._pcontext.pids()[w.local_rank] for w in worker_group.workers}
+        self._launch.run_dir.record_workers(pids)
         if self._monitor is not None:
             try:
                 self._monitor.watch(
-                    {w.global_rank: pids[w.local_rank] for w in worker_group.workers},
-                    {w.global_rank: self._plans[w.local_rank].key for w in worker_group.workers},
+                    pids, {w.global_rank: self._plan.workers[w.local_rank].device.key for w in worker_group.workers},
                 )
             except Exception:  # the monitor must never take the job down
                 logger.warning("monitor.watch failed", exc_info=True)
-        return pids
 
-    def _stop_workers(self, worker_group: "_te.WorkerGroup", is_restart: bool = False) -> None:  # torch < 2.9 passes is_restart
-        self._shutdown(timeout=self._shutdown_timeout)
+    # -- --on-failure continue ---------------------------------------------------------
+
+    def _continue(self, worker_group: "_te.WorkerGroup", members: Dict[int, str]) -> Continuation:
+        """Watches this start's workers one by one (continue mode)."""
+        if not worker_group.spec.rdzv_handler.use_agent_store:
+            raise RendezvousError(
+                "--on-failure continue needs the agent's store for the workers (the survivors agree through "
+                "it); unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+            )
+
+        def restart(worker: WorkerProcess) -> tuple:
+            self._remaining_restarts -= 1
+            count = worker_group.spec.max_restarts - self._remaining_restarts
+            start = self._worker_start([worker_group.workers[worker.local_rank]], {worker.local_rank: worker.member},
+                                       joining=True, restart_count=count)
+            context = self._runtime.start(start)
+            self._workers_started(worker_group)
+            return context, 0
+
+        def can_restart(worker: WorkerProcess) -> bool:
+            if self._remaining_restarts <= 0:
+                return False
+            return device_present(self._plan.workers[worker.local_rank].device)
+
+        record = job_record(self._workers_store, self._elastic_run)
+        continuation = Continuation(record, self._runtime, restart, can_restart)
+        continuation.watch([WorkerProcess(w.local_rank, members[w.local_rank], 0, self._pcontext,
+                                          w.local_rank) for w in worker_group.workers])
+        return continuation
+
+    def _live_job(self) -> Optional[Dict[str, Any]]:
+        """This agent's running continue-mode job (its store, keys and bridge key), or ``None``."""
+        if self._continuation is None or not any(w.exit_code is None for w in self._continuation.workers.values()):
+            return None
+        key = "" if settings().job_key else self._job_key_value
+        return {"store": list(self._workers_store), "run": self._elastic_run, "key": key}
+
+    def _restart_workers(self, worker_group: "_te.WorkerGroup") -> None:
+        if self._continuation is not None and worker_group.state == _te.WorkerState.HEALTHY:
+            # A node waits to join (torch would stop every worker): a new round, and the
+            # running workers stay; the new node's workers join them at a step boundary.
+            logger.info("[%s] a node joins the running job; the workers keep training", worker_group.spec.role)
+            self._rendezvous(worker_group)
+            worker_group.master_addr, worker_group.master_port = self._workers_store
+            return
+        super()._restart_workers(worker_group)
+
+    def _exit_barrier(self) -> None:
+        if self._continuation is None:
+            return super()._exit_barrier()
+        # Nodes may be gone for good: no barrier over all of them. The node that
+        # serves the workers' store stays until every member is done with it.
+        if self._serves_store:
+            self._continuation.finished(self._exit_barrier_timeout)
+        return None
 
     def _monitor_workers(self, worker_group: "_te.WorkerGroup") -> "_te.RunResult":
-        role = worker_group.spec.role
-        if self._pcontext is None:
-            raise AssertionError("no workers started")
-        worker_pids = {w.id for w in worker_group.workers}
-        pc_pids = set(self._pcontext.pids().values())
-        if worker_pids != pc_pids:
-            logger.error(
-                "[%s] worker pids do not match process_context pids. Expected: %s, actual: %s",
-                role,
-                worker_pids,
-                pc_pids,
-            )
-            return _te.RunResult(state=_te.WorkerState.UNKNOWN)
-        result = self._pcontext.wait(0)
-        if not result:
-            return _te.RunResult(state=_te.WorkerState.HEALTHY)
-        if result.is_failed():
-            failures = {
-                worker_group.workers[local_rank].global_rank: failure
-                for local_rank, failure in result.failures.items()
-            }
-            return _te.RunResult(state=_te.WorkerState.FAILED, failures=failures)
-        values = {
-            worker_group.workers[local_rank].global_rank: value
-            for local_rank, value in result.return_values.items()
-        }
-        return _te.RunResult(state=_te.WorkerState.SUCCEEDED, return_values=values)
+        if self._continuation is not None:
+            return self._continuation.monitor({w.local_rank: w.global_rank for w in worker_group.workers})
+        return super()._monitor_workers(worker_group)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
-        if self._health_check_server is not None:
-            self._health_check_server.stop()
-            self._health_check_server = None
+    # -- stopping ------------------------------------------------------------------------
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: Optional[int] = None,
+                  is_restart: bool = False) -> None:  # torch < 2.9 passes is_restart
+        """torch's (watchdog, health check, the workers' process context), and the
+        workers a continue-mode job started alone, their own children too."""
+        timeout = self._shutdown_timeout if timeout is None else timeout  # torch's _stop_workers passes none
+        contexts = self._continuation.contexts if self._continuation is not None else [self._pcontext]
+        self._continuation = None
+        pids = [pid for c in contexts if c is not None for pid in c.pids().values()]
         if self._pcontext is not None:
             self._runtime.before_stop()
-            self._pcontext.close(death_sig, timeout)
+            # A stopped worker (SIGSTOP by anyone) runs a SIGTERM handler only once
+            # continued: continue every worker with the stop signal.
+            _signal_each(os.kill, pids, signal.SIGCONT)
+        _te.close_local_agent(super()._shutdown, death_sig, timeout)
+        for c in contexts:
+            if c is not None and c is not self._pcontext:
+                c.close(death_sig, timeout)
+        # Each worker leads its own process group (torch starts it in a new
+        # session): what it forked and left running goes with the job.
+        _signal_each(os.killpg, pids, signal.SIGKILL)
+
+
+def _signal_each(send, ids: List[int], sig: signal.Signals) -> None:
+    """``send(id, sig)`` for each process (group) id that still exists.
+
+    Ids below 2 are not a worker (-1: a pid not known yet) and would reach far
+    more: kill(-1) signals every process the agent may signal, killpg(1) is
+    kill(-1), and 0 is the agent's own group.
+    """
+    for i in ids:
+        if i < 2:
+            continue
+        try:
+            send(i, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -20,7 +20,7 @@ from typing import Dict, List, NoReturn, Optional
 from kaitian import _torch as _te
 from kaitian.launcher.launch import KaitianLaunch, launch_agent
 from kaitian.launcher.logs import build_logs_specs
-from kaitian.launcher.plan import parse_cpu_quota, plan_workers
+from kaitian.launcher.plan import parse_cpu_quota, plan_node
 from kaitian.launcher.rundir import RunDir, collect_stale
 from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, options_from_args, runtime_class
 from kaitian.launcher.runtimes.cpu_limits import quota_mode
@@ -103,6 +103,11 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
         help="cores of CPU time per CPU group (one value for all groups, or one per group)",
     )
     k.add_argument(
+        "--on-failure", "--on_failure", action=_te.env, choices=("restart", "continue"), default="restart",
+        help="when a worker is lost: restart every worker (torchrun's behaviour, default) or continue: "
+        "the others go on without it (kaitian.elastic.Trainer) and it rejoins when restarted",
+    )
+    k.add_argument(
         "--runtime", action=_te.env, choices=sorted(RUNTIMES), default="local",
         help="where workers run: local subprocesses or per-vendor docker containers",
     )
@@ -154,14 +159,12 @@ def _check_script(args: argparse.Namespace) -> None:
 
 
 def _capabilities() -> Dict[str, float]:
-    try:
-        from kaitian.training.capability import load_capabilities
-    except ImportError:
-        return {}
+    from kaitian.training.capability import CapabilityConfigError, load_capabilities
+
     try:
         return dict(load_capabilities())
-    except Exception as e:  # a broken config must not stop the launch
-        logger.warning("could not read device capabilities: %s", e)
+    except CapabilityConfigError as e:  # a broken config must not stop the launch
+        logger.warning("%s", e)
         return {}
 
 
@@ -217,22 +220,29 @@ def run(args: argparse.Namespace) -> None:
         cpu_slots=args.cpu_slots,
         cpu_groups=args.cpu_groups,
         cpu_quota=cpu_quota,
+        own_device_only=bool(getattr(args, "virtual_local_rank", False)),  # torch 2.10+
     )
-    plans = None
+    plan = None
     if args.nproc_auto:
-        plans = plan_workers(nproc_auto=True, nproc_per_node=None, **plan_kwargs)
-        args.nproc_per_node = str(len(plans))
-        if not omp_from_user and len(plans) > 1:
+        plan = plan_node(nproc_auto=True, nproc_per_node=None, **plan_kwargs)
+        args.nproc_per_node = str(len(plan.workers))
+        if not omp_from_user and len(plan.workers) > 1:
             # torchrun's default (1) without its warning: CPU slots get their core count anyway.
             os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        config, cmd, cmd_args = _te.config_from_args(args)
+        # Without --logs-specs kaitian builds its own specs below; torch's default
+        # ones would create an empty torchelastic_* temp dir that nobody removes.
+        torch_args = (
+            argparse.Namespace(**{**vars(args), "log_dir": os.devnull})
+            if args.logs_specs is None else args
+        )
+        config, cmd, cmd_args = _te.config_from_args(torch_args)
     except (AssertionError, RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if plans is None:
-        plans = plan_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
+    if plan is None:
+        plan = plan_node(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
 
-    if args.runtime == "local" and any(p.cpu_quota is not None for p in plans):
+    if args.runtime == "local" and plan.cpu_quotas:
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
     runtime_options = options_from_args(args, config)  # every runtime flag checked before anything starts
     collect_stale()
@@ -264,16 +274,18 @@ def run(args: argparse.Namespace) -> None:
                 log_dir=args.log_dir,
                 cwd=os.getcwd(),
                 options=runtime_options,
+                plan=plan,
             ),
         )
         kaitian = KaitianLaunch(
-            plans=plans,
+            plan=plan,
             run_dir=run_dir,
             runtime=runtime,
             capabilities=_capabilities(),
             monitor_dir=monitor_dir,
             omp_from_user=omp_from_user,
             worker_store_port=worker_store_port,
+            on_failure=args.on_failure,
         )
         _launch(config, cmd, cmd_args, kaitian)
         succeeded = True

@@ -1,8 +1,8 @@
 """``launch_agent``: kaitian's counterpart of ``torch.distributed.launcher.api.launch_agent``.
 
 Torch's function hard-codes ``LocalElasticAgent``; this one builds a
-:class:`~kaitian.launcher.agent.KaitianAgent` with a runtime and keeps torch's
-structure: rendezvous handler from the registry, agent run, ``ChildFailedError``
+:class:`~kaitian.launcher.agent.KaitianAgent` from torch's config and the
+launch whole, and keeps torch's structure: rendezvous handler from the registry, agent run, ``ChildFailedError``
 for failed workers, ``SignalException`` passed through without closing the
 rendezvous, and ``finally`` shutting down the rendezvous, the runtime and the
 monitor.
@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from kaitian import _torch as _te
 from kaitian.launcher.agent import KaitianAgent
-from kaitian.launcher.plan import WorkerPlan
+from kaitian.launcher.plan import NodePlan
 from kaitian.launcher.rendezvous import KaitianRendezvousHandler
 from kaitian.launcher.rundir import RunDir
 from kaitian.launcher.runtimes import Runtime
@@ -33,7 +33,7 @@ class KaitianLaunch:
     """What kaitian adds to torch's ``LaunchConfig``.
 
     Attributes:
-        plans: one worker plan per local rank.
+        plan: this node's plan.
         run_dir: this agent's run directory.
         runtime: the runtime that starts the workers (shut down at the end).
         capabilities: device key -> samples/s.
@@ -41,22 +41,24 @@ class KaitianLaunch:
         omp_from_user: the user set ``OMP_NUM_THREADS``.
         worker_store_port: node 0 serves the workers' store on this port on
             every start (``None``: torchrun's port, then a free one per restart).
+        on_failure: ``restart`` or ``continue`` (``--on-failure``).
     """
 
-    plans: List[WorkerPlan]
+    plan: NodePlan
     run_dir: RunDir
     runtime: Runtime
     capabilities: Dict[str, float] = field(default_factory=dict)
     monitor_dir: Optional[str] = None
     omp_from_user: bool = False
     worker_store_port: Optional[int] = None
+    on_failure: str = "restart"
 
 
 def _make_monitor(out_dir: str) -> Any:
     try:
-        from kaitian.launcher.monitor import AgentMonitor
+        from kaitian.monitor.agent import AgentMonitor
     except ImportError as e:
-        logger.warning("--monitor: kaitian.launcher.monitor is not available (%s); not monitoring", e)
+        logger.warning("--monitor: kaitian.monitor.agent is not available (%s); not monitoring", e)
         return None
     return AgentMonitor(out_dir)
 
@@ -132,21 +134,7 @@ def launch_agent(
             monitor = _make_monitor(kaitian.monitor_dir)
             if monitor is not None:
                 monitor.start()
-        agent = KaitianAgent(
-            spec=spec,
-            logs_specs=config.logs_specs,  # type: ignore[arg-type]
-            runtime=runtime,
-            plans=kaitian.plans,
-            run_dir=kaitian.run_dir,
-            start_method=config.start_method,
-            log_line_prefix_template=config.log_line_prefix_template,
-            shutdown_timeout=_te.launch_option(config, "shutdown_timeout", 30),  # type: ignore[arg-type]
-            capabilities=kaitian.capabilities,
-            monitor_dir=kaitian.monitor_dir,
-            monitor=monitor,
-            omp_from_user=kaitian.omp_from_user,
-            worker_store_port=kaitian.worker_store_port,
-        )
+        agent = KaitianAgent(spec, config, kaitian, monitor)
         _te.metrics.initialize_metrics(_te.metrics.MetricsConfig(config.metrics_cfg))
         try:
             result = agent.run()

@@ -13,12 +13,14 @@ the prefix (``${rank}``, ``${local_rank}``, ``${role_name}``, ``${group}``,
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from string import Template
 from typing import Dict, Optional, Set
 
 from kaitian import _torch as _te
 
-__all__ = ["DEFAULT_PREFIX_TEMPLATE", "build_logs_specs", "line_prefixes"]
+__all__ = ["DEFAULT_PREFIX_TEMPLATE", "build_logs_specs", "line_prefixes", "one_worker_logs"]
 
 DEFAULT_PREFIX_TEMPLATE = "[${rank}|${group}]:"
 
@@ -69,3 +71,44 @@ def line_prefixes(
     """
     tpl = Template(template or DEFAULT_PREFIX_TEMPLATE)
     return {local_rank: tpl.safe_substitute(**fields) for local_rank, fields in workers.items()}
+
+
+def one_worker_logs(specs: "_te.LogsSpecs", local_rank: int) -> "_te.LogsSpecs":
+    """``specs`` for one worker started alone (``--on-failure continue``): process 0 of its
+    own process context, logged where ``specs`` puts local rank ``local_rank``
+    (``attempt_<n>/<local rank>/``, ``n`` its restart count) with that rank's
+    redirects, tee and filter."""
+    return _OneWorkerLogs(specs, local_rank)
+
+
+class _OneWorkerLogs(_te.LogsSpecs):
+    def __init__(self, inner: "_te.LogsSpecs", local_rank: int) -> None:  # noqa: D107 (no base __init__: all delegated)
+        self._inner = inner
+        self._local_rank = local_rank
+
+    @property
+    def root_log_dir(self) -> str:
+        return self._inner.root_log_dir
+
+    def reify(self, envs):
+        (env,) = envs.values()
+        rank = self._local_rank
+        # torch's specs number processes from 0: ask for ranks 0..rank, keep the last
+        padded = {r: dict(env) for r in range(rank + 1)}
+        dest = self._inner.reify(padded)
+        env["TORCHELASTIC_ERROR_FILE"] = padded[rank].get("TORCHELASTIC_ERROR_FILE", "")
+        for r in range(rank):  # the directories made for the ranks below are empty
+            path = dest.error_files.get(r)
+            if path and path != os.devnull:
+                try:
+                    os.rmdir(os.path.dirname(path))
+                except OSError:
+                    pass
+
+        def mine(mapping):
+            return {0: mapping[rank]} if rank in mapping else {}
+
+        return dataclasses.replace(
+            dest, stdouts=mine(dest.stdouts), stderrs=mine(dest.stderrs), tee_stdouts=mine(dest.tee_stdouts),
+            tee_stderrs=mine(dest.tee_stderrs), error_files=mine(dest.error_files),
+        )

@@ -1,4 +1,4 @@
-"""What each local worker runs on: the node's plan, decided once before the agent starts.
+"""What this node runs: its plan, decided once before the agent starts.
 
 ``--nproc-auto``: one worker per selected device (``USE_<VENDOR>`` /
 ``--devices``), CPU workers pinned to their slot's cores. ``--nproc-per-node
@@ -6,47 +6,70 @@ N`` keeps torchrun's meaning (N workers, no pinning); worker ``i`` gets the
 ``i``-th selected accelerator, or is a CPU worker when there is none.
 ``--cpu-groups`` splits the CPU workers into simulated vendor groups
 ``cpu0``, ``cpu1``, … and ``--cpu-quota`` gives each group its CPU time.
+
+A worker is one :class:`LocalWorker` from here to the runtime (its device
+also travels through the rendezvous and, in the worker's environment, to the
+backend); what holds for a whole group or the node (CPU quotas, which devices
+the workers see) is on the :class:`NodePlan`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kaitian.devices.device import Device, WorkerDevice
+from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
 from kaitian.devices.inventory import discover, parse_devices_flag, select
+from kaitian.devices.visible import worker_visibility
 from kaitian.errors import PlanError
 
-__all__ = ["WorkerPlan", "PlanError", "parse_cpu_quota", "plan_workers"]
+__all__ = ["LocalWorker", "NodePlan", "PlanError", "parse_cpu_quota", "plan_node"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class WorkerPlan:
-    """One local worker's device and limits.
+class LocalWorker:
+    """One worker of this node.
 
     Attributes:
+        local_rank: its rank on this node.
         device: its device (physical index; CPU: slot index) and kaitian
             group (``cpu0`` … for simulated groups, else the device type).
-        cpus: cores to pin the worker to (empty: not pinned).
-        cpu_quota: the group's CPU time in cores, or ``None``.
-        omp_threads: ``OMP_NUM_THREADS`` for the worker (``None``: torchrun's rule).
-        hide_other_vendors: set other vendors' visibility variables empty.
+        cpus: cores it is pinned to, and runs as many OpenMP threads on
+            (empty: not pinned, torchrun's ``OMP_NUM_THREADS``).
     """
 
+    local_rank: int
     device: WorkerDevice
     cpus: Tuple[int, ...] = ()
-    cpu_quota: Optional[float] = None
-    omp_threads: Optional[int] = None
-    hide_other_vendors: bool = False
 
-    @property
-    def key(self) -> str:
-        """The device's key for capability lookup (``cuda:0``)."""
-        return self.device.key
+
+@dataclass(frozen=True)
+class NodePlan:
+    """This node's workers, and what holds for their groups and for the node.
+
+    Attributes:
+        workers: one per local rank, in local-rank order.
+        cpu_quotas: group -> the CPU time its workers share, in cores
+            (``--cpu-quota``; a group not named has no limit).
+        hide_other_vendors: every worker sees no device of another vendor
+            (``--nproc-auto``).
+        own_device_only: a CUDA worker sees only its own GPU (torchrun's
+            ``--virtual-local-rank``).
+    """
+
+    workers: Tuple[LocalWorker, ...]
+    cpu_quotas: Mapping[str, float] = field(default_factory=dict)
+    hide_other_vendors: bool = False
+    own_device_only: bool = False
+
+    def visible_env(self, worker: LocalWorker, container: Optional[ContainerDevices] = None) -> Dict[str, str]:
+        """The worker's visibility variables, on the host or in ``container``
+        (:func:`kaitian.devices.visible.worker_visibility`)."""
+        return worker_visibility(worker.device, hide_other_vendors=self.hide_other_vendors,
+                                 own_device_only=self.own_device_only, container=container)
 
 
 def parse_cpu_quota(raw: Optional[str]) -> Optional[List[float]]:
@@ -66,9 +89,10 @@ def parse_cpu_quota(raw: Optional[str]) -> Optional[List[float]]:
     return values
 
 
-def _groups_for(count: int, groups: Optional[int]) -> List[Optional[str]]:
+def _cpu_groups(count: int, groups: Optional[int]) -> List[str]:
+    """The group of each of ``count`` CPU workers: ``groups`` contiguous blocks, or all ``cpu``."""
     if groups is None:
-        return [None] * count
+        return ["cpu"] * count
     if groups < 1:
         raise PlanError(f"--cpu-groups {groups}: must be at least 1")
     if groups > count:
@@ -79,7 +103,7 @@ def _groups_for(count: int, groups: Optional[int]) -> List[Optional[str]]:
     return [f"cpu{j * groups // count}" for j in range(count)]
 
 
-def plan_workers(
+def plan_node(
     *,
     nproc_auto: bool,
     nproc_per_node: Optional[int],
@@ -87,10 +111,11 @@ def plan_workers(
     cpu_slots: Optional[int] = None,
     cpu_groups: Optional[int] = None,
     cpu_quota: Optional[Sequence[float]] = None,
+    own_device_only: bool = False,
     env: Optional[Mapping[str, str]] = None,
     devices: Optional[List[Device]] = None,
-) -> List[WorkerPlan]:
-    """Builds this node's worker plan.
+) -> NodePlan:
+    """Builds this node's plan.
 
     Args:
         nproc_auto: one worker per selected device.
@@ -99,12 +124,10 @@ def plan_workers(
         cpu_slots: ``--cpu-slots``.
         cpu_groups: ``--cpu-groups``.
         cpu_quota: ``--cpu-quota`` values (one, or one per CPU group).
+        own_device_only: ``--virtual-local-rank``.
         env: environment holding ``USE_<VENDOR>`` and the host's visibility
             variables (default ``os.environ``).
         devices: the inventory (default: discovered, physical indices).
-
-    Returns:
-        One plan per local rank.
 
     Raises:
         DeviceSelectionError: bad ``USE_*`` / ``--devices`` / ``--cpu-slots``.
@@ -118,41 +141,31 @@ def plan_workers(
 
     if nproc_auto:
         chosen: List[Device] = list(selected)
-        pinned = True
     else:
         n = int(nproc_per_node or 1)
         if accels:
             chosen = [accels[i % len(accels)] for i in range(n)]
         else:
             chosen = [Device("cpu", i, "CPU") for i in range(n)]
-        pinned = False
 
     cpu_positions = [i for i, c in enumerate(chosen) if c.type == "cpu"]
     if cpu_groups is not None and not cpu_positions:
         raise PlanError(f"--cpu-groups {cpu_groups}: no CPU worker selected on this node (set USE_CPU)")
-    group_names = _groups_for(len(cpu_positions), cpu_groups)
+    group_of: Dict[int, str] = dict(zip(cpu_positions, _cpu_groups(len(cpu_positions), cpu_groups)))
     n_groups = cpu_groups or 1
     if cpu_quota is not None and len(cpu_quota) not in (1, n_groups):
         raise PlanError(
             f"--cpu-quota has {len(cpu_quota)} values for {n_groups} CPU group(s); give 1 or {n_groups}"
         )
-    group_of: Dict[int, Optional[str]] = dict(zip(cpu_positions, group_names))
+    groups = dict.fromkeys(group_of.values())  # in order: cpu0, cpu1, … (or cpu)
+    quotas = {g: cpu_quota[j if len(cpu_quota) > 1 else 0] for j, g in enumerate(groups)} if cpu_quota else {}
 
-    plans: List[WorkerPlan] = []
-    for i, dev in enumerate(chosen):
-        group = group_of.get(i)
-        quota = None
-        is_cpu = dev.type == "cpu"
-        if is_cpu and cpu_quota is not None:
-            g = int(re.sub(r"\D", "", group) or 0) if group else 0
-            quota = cpu_quota[g] if len(cpu_quota) > 1 else cpu_quota[0]
-        plans.append(
-            WorkerPlan(
-                device=dev.worker_device(group),
-                cpus=tuple(dev.cpus) if pinned and is_cpu else (),
-                cpu_quota=quota,
-                omp_threads=len(dev.cpus) if pinned and is_cpu and dev.cpus else None,
-                hide_other_vendors=nproc_auto,
-            )
+    workers = tuple(
+        LocalWorker(
+            local_rank=i,
+            device=dev.worker_device(group_of.get(i)),
+            cpus=tuple(dev.cpus) if nproc_auto and dev.type == "cpu" else (),
         )
-    return plans
+        for i, dev in enumerate(chosen)
+    )
+    return NodePlan(workers, quotas, hide_other_vendors=nproc_auto, own_device_only=own_device_only)

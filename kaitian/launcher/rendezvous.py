@@ -3,7 +3,7 @@
 Nodes with different device mixes form one world in two steps after
 torchelastic's join:
 
-1. every node publishes its :class:`NodeInventory` (its workers' slots, its
+1. every node publishes its :class:`NodeInventory` (its workers' devices, its
    kaitian version and bridge protocol version) in the round's store;
 2. node 0 reads them all (one request), checks the versions, lays the ranks
    out by vendor (:func:`~kaitian.launcher.placement.lay_out`), decides where the
@@ -27,18 +27,17 @@ import json
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from kaitian import _torch as _te
 from kaitian.devices.device import WorkerDevice
 from kaitian.errors import KaitianError, RendezvousError, VersionMismatchError
-from kaitian.launcher.placement import Placement, Slot, lay_out
+from kaitian.launcher.placement import NodeInventory, Placement, lay_out
 from kaitian import version as _version
 
 __all__ = [
     "BACKEND_NAME",
-    "NodeInventory",
-    "NodePlan",
+    "NodePlacement",
     "KaitianRendezvousHandler",
     "agree_on_placement",
     "check_versions",
@@ -53,39 +52,9 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "kaitian"
 _PREFIX = "kaitian/round"
 
-@dataclass(frozen=True)
-class NodeInventory:
-    """What one node tells node 0 in a round.
-
-    Attributes:
-        slots: its workers, in local-rank order.
-        host: its host name (for messages).
-        version: its kaitian version.
-        protocol: its bridge protocol version.
-    """
-
-    slots: Tuple[Slot, ...]
-    host: str
-    version: str
-    protocol: int
-
-    def to_json(self) -> str:
-        return json.dumps({
-            "slots": [s.to_json() for s in self.slots],
-            "host": self.host,
-            "version": self.version,
-            "protocol": self.protocol,
-        })
-
-    @classmethod
-    def from_json(cls, raw: str) -> "NodeInventory":
-        d = json.loads(raw)
-        return cls(tuple(Slot.from_json(s) for s in d["slots"]), d["host"], d["version"], int(d["protocol"]))
-
-
-def local_inventory(slots: Sequence[Slot]) -> NodeInventory:
-    """This node's inventory: its slots plus the versions it runs."""
-    return NodeInventory(tuple(slots), socket.gethostname(), _version.__version__, _version.bridge_protocol())
+def local_inventory(role: str, devices: Sequence[WorkerDevice]) -> NodeInventory:
+    """This node's inventory: its workers' role and devices, plus the versions it runs."""
+    return NodeInventory(role, tuple(devices), socket.gethostname(), _version.__version__, _version.bridge_protocol())
 
 
 def check_versions(inventories: Sequence[NodeInventory]) -> None:
@@ -105,7 +74,7 @@ def check_versions(inventories: Sequence[NodeInventory]) -> None:
 
 
 @dataclass(frozen=True)
-class NodePlan:
+class NodePlacement:
     """This node's share of a round's placement, as node 0 decided it.
 
     Attributes:
@@ -126,12 +95,12 @@ def agree_on_placement(
     group_world_size: int,
     inventory: NodeInventory,
     serve_worker_store: Optional[Callable[[], Optional[Tuple[str, int]]]] = None,
-) -> NodePlan:
-    """Publishes this node's inventory and returns this node's plan, decided once by node 0.
+) -> NodePlacement:
+    """Publishes this node's inventory and returns this node's placement, decided once by node 0.
 
     Keys carry a per-node exchange counter, so a store that outlives a round
     (the static rendezvous keeps one store for the whole run) never serves a
-    previous round's inventory or plan.
+    previous round's inventory or placement.
 
     Args:
         store: the round's rendezvous store.
@@ -142,7 +111,7 @@ def agree_on_placement(
             workers' store and returns its ``(addr, port)`` (or ``None``).
 
     Returns:
-        This node's plan.
+        This node's placement.
 
     Raises:
         VersionMismatchError: the nodes' versions differ (raised on every node, before any worker starts).
@@ -151,7 +120,7 @@ def agree_on_placement(
     epoch = store.add(f"{_PREFIX}/epoch/{group_rank}", 1)
     prefix = f"{_PREFIX}/{epoch}"
     store.set(f"{prefix}/inventory/{group_rank}", inventory.to_json())
-    plan_keys = [f"{prefix}/plan/{r}" for r in range(group_world_size)]
+    share_keys = [f"{prefix}/plan/{r}" for r in range(group_world_size)]
     if group_rank == 0:
         raw = store.multi_get([f"{prefix}/inventory/{r}" for r in range(group_world_size)])
         inventories = [NodeInventory.from_json(bytes(b).decode()) for b in raw]
@@ -159,29 +128,29 @@ def agree_on_placement(
         failure: Optional[KaitianError] = None
         try:
             check_versions(inventories)
-            placements = lay_out([inv.slots for inv in inventories])
+            placements = lay_out(inventories)
             worker_store = serve_worker_store() if serve_worker_store else None
-            plans = [
+            shares = [
                 json.dumps({
-                    "placements": [list(_astuple(placements[(r, lr)])) for lr in range(len(inv.slots))],
+                    "placements": [list(_astuple(placements[(r, lr)])) for lr in range(len(inv.devices))],
                     "store": list(worker_store) if worker_store else None,
                 })
                 for r, inv in enumerate(inventories)
             ]
         except KaitianError as e:
             failure = e
-            plans = [json.dumps({"error": str(e), "kind": type(e).__name__})] * group_world_size
-        store.multi_set(plan_keys, plans)
+            shares = [json.dumps({"error": str(e), "kind": type(e).__name__})] * group_world_size
+        store.multi_set(share_keys, shares)
         if failure is not None:
             raise failure
-        mine = json.loads(plans[0])
+        mine = json.loads(shares[0])
     else:
-        mine = json.loads(bytes(store.get(plan_keys[group_rank])).decode())
+        mine = json.loads(bytes(store.get(share_keys[group_rank])).decode())
     if "error" in mine:
         kind = VersionMismatchError if mine.get("kind") == VersionMismatchError.__name__ else RendezvousError
         raise kind(mine["error"])
     ws = mine["store"]
-    return NodePlan(
+    return NodePlacement(
         epoch=epoch,
         placements=tuple(Placement(*p) for p in mine["placements"]),
         worker_store=(str(ws[0]), int(ws[1])) if ws else None,
@@ -196,7 +165,7 @@ def _node_vendor() -> str:
     """The vendor plain torchrun's workers on this node use: its first selected device's."""
     from kaitian.devices.inventory import discover, select
 
-    return select(discover(detail=False))[0].type
+    return select(discover())[0].type
 
 
 class KaitianRendezvousHandler(_te.RendezvousHandler):
@@ -208,7 +177,7 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
     :attr:`last_info` is the round's ``RendezvousInfo``.
 
     Under plain ``torchrun --rdzv-backend kaitian`` (``order_nodes``), the
-    round's node ranks are decided like kaitianrun's placement, from one slot
+    round's node ranks are decided like kaitianrun's placement, from one device
     per node naming its vendor: nodes are ordered by vendor, so torchrun's
     ranks (node offset + local rank) come out grouped by vendor whenever each
     node runs one vendor, and the nodes' versions are checked. kaitianrun's
@@ -266,7 +235,7 @@ class KaitianRendezvousHandler(_te.RendezvousHandler):
             if self._vendor is None:
                 self._vendor = self._node_vendor()  # a node's devices do not change between rounds
             vendor = self._vendor
-            mine = local_inventory([Slot(WorkerDevice(vendor, 0), "node")])
+            mine = local_inventory("node", [WorkerDevice(vendor, 0)])
             rank = agree_on_placement(store, info.rank, info.world_size, mine).placements[0].global_rank
         info = _te.RendezvousInfo(store, rank, info.world_size, bootstrap)
         self.last_info = info

@@ -36,14 +36,34 @@ _NAMESPACES_FILE = "pid-namespaces.json"
 
 
 def base_dir() -> str:
-    """``$TMPDIR/kaitian-<uid>``, created owner-only (never readable or writable by others)."""
+    """``$TMPDIR/kaitian-<uid>``, created owner-only (never readable or writable by others).
+
+    Checked through a descriptor opened without following links: a symlink or a
+    directory another user planted under our name is refused, never chmodded.
+    """
     path = os.path.join(tempfile.gettempdir(), f"kaitian-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise RunDirError(f"{path} belongs to another user; set TMPDIR to a private directory")
-    if st.st_mode & 0o066:  # search-only (0711) is allowed: kept containers of another user traverse it
-        os.chmod(path, 0o700)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        what = "a symbolic link" if os.path.islink(path) else "not a directory"
+        raise RunDirError(
+            f"{path} is {what} ({e.strerror}); remove it or set TMPDIR to a private directory"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise RunDirError(
+                f"{path} belongs to uid {st.st_uid}, not {os.getuid()}; "
+                "set TMPDIR to a private directory"
+            )
+        if st.st_mode & 0o066:  # search-only (0711) is allowed: kept containers of another user traverse it
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 

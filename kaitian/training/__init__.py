@@ -1,7 +1,8 @@
 """Heterogeneity-aware data parallelism.
 
-sampler (split, epoch layout, checkpoints), weighting (``scale_loss``), ddp
-(kaitian's DDP on the same weighting), rebalance, clock (device-event step
-timing), exchange (the one slot-sum exchange), listeners, capability
-(``kaitian init``), steps (the monitor's per-step records).
+split (the split algorithm, capabilities, the re-balancer's plan), sampler
+(epoch layout, stepping, checkpoints), weighting (``scale_loss``, the step
+check), ddp (kaitian's DDP on the same weighting), rebalance, clock
+(device-event step timing), exchange (the one slot-sum exchange), listeners,
+capability (``kaitian init``).
 """

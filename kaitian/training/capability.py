@@ -16,12 +16,17 @@ SGD step, fp32). ``kaitianrun`` hands every rank its device's value as
 from __future__ import annotations
 
 import os
+import sys
 import time
-import tomllib
 from typing import Callable, Dict, Optional, Sequence
 
 from kaitian.settings import settings
 from kaitian.errors import CapabilityConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser from PyPI (a declared dependency there)
+    import tomli as tomllib
 
 __all__ = [
     "load_capabilities",
@@ -45,7 +50,7 @@ def load_config(path: Optional[str] = None) -> dict:
     """The whole config as a dict (empty if there is none).
 
     Raises:
-        CapabilityConfigError: the file exists but is not valid TOML.
+        CapabilityConfigError: the file exists but is not valid UTF-8 TOML.
     """
     path = _config_path(path)
     try:
@@ -53,6 +58,11 @@ def load_config(path: Optional[str] = None) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         return {}
+    except UnicodeDecodeError as exc:  # tomllib decodes before it parses
+        raise CapabilityConfigError(
+            f"cannot read the kaitian config {path}: it is not UTF-8 text (byte {exc.start}); "
+            "run `kaitian init -r` to rewrite it"
+        ) from None
     except (tomllib.TOMLDecodeError, OSError) as exc:
         raise CapabilityConfigError(
             f"cannot read the kaitian config {path}: {exc}; run `kaitian init -r` to rewrite it"
@@ -69,6 +79,10 @@ def load_capabilities(path: Optional[str] = None) -> Dict[str, float]:
         CapabilityConfigError: the file exists but cannot be parsed.
     """
     devices = load_config(path).get("devices", {})
+    if not isinstance(devices, dict):
+        raise CapabilityConfigError(
+            f"the kaitian config {_config_path(path)}: [devices] is not a table; run `kaitian init -r` to rewrite it"
+        )
     caps: Dict[str, float] = {}
     for key, entry in devices.items():
         value = entry.get("capability") if isinstance(entry, dict) else None

@@ -48,8 +48,9 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from kaitian._torch import queue_autograd_callback
 from kaitian.errors import TrainingError
 from kaitian.training.clock import StepClock
-from kaitian.training.listeners import Listeners
 from kaitian.training.exchange import gather_per_rank, rows
+from kaitian.training.listeners import Listeners
+from kaitian.training.sampler import DistributedSampler
 from kaitian.training.weighting import StepCheck, check_steps
 
 __all__ = ["DistributedDataParallel", "StepTiming", "has_batch_norm"]
@@ -184,6 +185,9 @@ class DistributedDataParallel(_TorchDDP):
             number of samples of a forward call (default: dim 0 of the first
             tensor argument); return token counts for token-mean losses.
         timing_history: how many recent :class:`StepTiming` records to keep.
+        sampler: the :class:`kaitian.DistributedSampler` whose batches it
+            trains on (:meth:`use_sampler`; a :class:`kaitian.Rebalancer`
+            gives it too).
         **kwargs: as torch's DDP.
     """
 
@@ -192,13 +196,13 @@ class DistributedDataParallel(_TorchDDP):
         *args: Any,
         count_samples: Optional[Callable[[tuple, dict], int]] = None,
         timing_history: int = 4096,
+        sampler: Optional[DistributedSampler] = None,
         **kwargs: Any,
     ) -> None:
         if len(args) < _BUCKET_VIEW_POSITION:  # not passed positionally
             kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(*args, **kwargs)
-        from kaitian.training.sampler import latest_sampler
-        from kaitian.training.steps import recorder_for_this_rank
+        from kaitian.monitor.records import recorder_for_this_rank
 
         self._kt_count_samples = count_samples or _count_samples
         self._kt_state = _StepState(timing_history)
@@ -208,24 +212,26 @@ class DistributedDataParallel(_TorchDDP):
         self._kt_hook_registered = False
         # Backends that average in their reduction pass; others get torch's divide-then-sum.
         self._kt_avg_op = dist.get_backend(self.process_group) in _AVERAGING_BACKENDS
-        self._kt_step_listeners = Listeners()
-        self._kt_before_step = Listeners()
+        self._kt_step_listeners = Listeners(weak=False)  # the model keeps its helpers alive
+        self._kt_before_step = Listeners(weak=False)
         self._kt_vote: Optional[Callable[[], bool]] = None
-        self._kt_keep_alive: List[object] = []  # helpers attached to this model
-        self._kt_device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        self._kt_clock = StepClock(self._kt_device)
+        self._kt_clock = StepClock(self.device)
         self._kt_recorder = recorder_for_this_rank()
-        sampler = latest_sampler()
+        self._kt_sampler: Optional[DistributedSampler] = None
         if sampler is not None:
-            self._kt_state.ref = float(sampler.batch_size)
-            if has_batch_norm(self.module):
-                sampler.require_min_batch_size(2)
+            self.use_sampler(sampler)
 
     # -- public ------------------------------------------------------------------
 
     @property
     def step_timings(self) -> Deque[StepTiming]:
-        """Recent :class:`StepTiming` records of this rank (newest last)."""
+        """Recent :class:`StepTiming` records of this rank (newest last).
+
+        On a device a step's record is made when the next step ends (its
+        events are read a step late); reading this property completes the
+        newest one too, waiting for its device work.
+        """
+        self._kt_emit(self._kt_clock.flush())
         return self._kt_state.timings
 
     @property
@@ -233,8 +239,22 @@ class DistributedDataParallel(_TorchDDP):
         """The monitor's step recorder (``kaitianrun --monitor``), or ``None``."""
         return self._kt_recorder
 
+    def use_sampler(self, sampler: DistributedSampler) -> None:
+        """Trains on ``sampler``'s batches; call it on every rank alike, before the first step.
+
+        Its epoch tags each step's count exchange, so ranks at different steps
+        are named; a DataLoader whose ``batch_size`` cuts its steps is refused
+        at the first step; a model with BatchNorm raises its minimum batch to
+        2; its batch size is the first step's scale reference.
+        """
+        self._kt_sampler = sampler
+        if self._kt_state.step == 0 and self._kt_state.first_forward is None:  # no forward scaled yet
+            self._kt_state.ref = float(sampler.batch_size)
+        if has_batch_norm(self.module):
+            sampler.require_min_batch_size(2)
+
     def add_step_listener(self, callback: Callable[[StepTiming], None]) -> None:
-        """Calls ``callback(timing)`` after each synchronised step."""
+        """Calls ``callback(timing)`` after each synchronised step (the model holds ``callback``)."""
         self._kt_step_listeners.add(callback)
 
     def set_round_vote(self, vote: Callable[[], bool]) -> None:
@@ -332,12 +352,11 @@ class DistributedDataParallel(_TorchDDP):
         st.micro += 1
         if not record.sync:
             return
-        from kaitian.training.weighting import current_epoch
-
-        tag = self._kt_check.next_tag(current_epoch())
+        tag = self._kt_check.next_tag(self._kt_sampler)
         vote = self._kt_vote() if self._kt_vote is not None and self.process_group.rank() == 0 else 0
-        st.counts = gather_per_rank([st.samples, st.micro, *tag, float(bool(vote))],
-                                    self.process_group, self._kt_device, async_op=True)
+        # int64: exact on every vendor (CNCL would round float64 to float32)
+        st.counts = gather_per_rank([st.samples, st.micro, *tag, int(bool(vote))],
+                                    self.process_group, self.device, dtype=torch.int64, async_op=True)
         st.totals = None
         ddp_ref = weakref.ref(self)
 
@@ -364,8 +383,8 @@ class DistributedDataParallel(_TorchDDP):
             if work is not None and not arrived:
                 work.wait()
             table = rows(tensor)
-            check_steps([row[2:4] for row in table])
-            st.round_requested = any(row[4] > 0 for row in table)
+            check_steps([row[2:5] for row in table], self._kt_sampler)
+            st.round_requested = any(row[5] > 0 for row in table)
             micro = {int(row[1]) for row in table}
             if len(micro) > 1:
                 raise TrainingError(
@@ -392,29 +411,37 @@ class DistributedDataParallel(_TorchDDP):
                     if p.grad is not None:
                         p.grad.mul_(correction)
         self._kt_clock.mark("end")
-        times = self._kt_clock.take()
         now = time.perf_counter()
         start = st.first_forward if st.first_forward is not None else now
+        # compute_s and comm_s come from the clock (a step later on a device)
         timing = StepTiming(
             step=st.step,
             samples=st.samples,
             global_samples=int(round(total)),
-            compute_s=max(0.0, times["compute_s"] - st.wait_in_compute),
-            comm_s=times["comm_s"],
+            compute_s=0.0,
+            comm_s=0.0,
             step_s=max(1e-9, now - (st.last_end if st.last_end is not None else start)),
             end=time.time(),
             wait_s=st.wait,
         )
-        st.timings.append(timing)
+        ended = self._kt_clock.finish((timing, st.wait_in_compute))
         st.last_end = now
         st.step += 1
         st.ref = total / (self.process_group.size() * max(1, st.micro))
         st.first_forward = None
         st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
         st.wait = st.wait_in_compute = 0.0
-        if self._kt_recorder is not None:
-            self._kt_recorder.record_step(timing)
-        self._kt_step_listeners(timing)
+        self._kt_emit(ended)
+
+    def _kt_emit(self, ended) -> None:
+        """Completes the clock's ended steps with their times and hands them out."""
+        for (timing, wait_in_compute), times in ended:
+            timing.compute_s = max(0.0, times["compute_s"] - wait_in_compute)
+            timing.comm_s = times["comm_s"]
+            self._kt_state.timings.append(timing)
+            if self._kt_recorder is not None:
+                self._kt_recorder.record_step(timing)
+            self._kt_step_listeners(timing)
 
 
 def _on_output_grad(ddp_ref: "weakref.ref", record: _Forward, grad: torch.Tensor) -> torch.Tensor:
@@ -450,11 +477,15 @@ def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as rea
             "(the loss must be computed from what forward returned)"
         )
     work, _ = ddp._kt_state.counts
-    futures = [reduced] if work is None else [reduced, work.get_future()]
 
-    def finish(both: torch.futures.Future) -> torch.Tensor:
-        value = both.value()[0].value()
+    # Chained on the reduction's own future, so the returned one carries its
+    # devices and DDP's wait orders its streams after ours (collect_all would
+    # build a CPU future: the optimizer could read the bucket too early).
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()
         grad = value[0] if isinstance(value, (list, tuple)) else value
+        if work is not None:
+            work.get_future().wait()  # this stream now waits for the counts too
         try:
             _, correction = ddp._kt_totals(arrived=True)
         except TrainingError as exc:  # raised from backward by _kt_finish_step, as itself
@@ -462,4 +493,4 @@ def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as rea
             return grad
         return grad if correction == 1.0 else grad.mul_(correction)
 
-    return torch.futures.collect_all(futures).then(finish)
+    return reduced.then(finish)

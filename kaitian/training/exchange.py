@@ -12,6 +12,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from kaitian.backend import BACKEND_NAME
+
 __all__ = ["gather_per_rank", "rows"]
 
 
@@ -24,11 +26,16 @@ def gather_per_rank(
 ):
     """Every rank's ``values`` (the same length everywhere), through one all-reduce.
 
+    Over backend ``kaitian`` the exchange stays in host memory (every rank may
+    pass CPU tensors): no device copy, nothing that waits for the device.
+
     Args:
         values: this rank's numbers.
         group: the process group (default: the world).
-        device: where the exchange tensor lives (the backend's device for this rank).
-        dtype: float64 keeps integers up to 2**53 exact.
+        device: this rank's device, where other backends need the exchange
+            tensor (default: :func:`kaitian.device`).
+        dtype: float64 keeps integers up to 2**53 exact; int64 for counts
+            (exact on every vendor: CNCL has no float64).
         async_op: return ``(work, tensor)`` instead of waiting.
 
     Returns:
@@ -38,12 +45,18 @@ def gather_per_rank(
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if initialized else 1
     rank = dist.get_rank(group) if initialized else 0
-    if device is None:
+    row = torch.tensor([v if dtype.is_floating_point else int(v) for v in values], dtype=dtype)
+    if world > 1 and dist.get_backend(group) == BACKEND_NAME:
+        device = torch.device("cpu")
+    elif device is None:
         from kaitian.devices.rank import device as rank_device
 
         device = rank_device()
     slots = torch.zeros(world, len(values), dtype=dtype, device=device)
-    slots[rank] = torch.tensor([float(v) for v in values], dtype=dtype)
+    if device.type == "cpu":
+        slots[rank] = row
+    else:  # pinned and non-blocking: a pageable copy would wait for the device's queue
+        slots[rank].copy_(row.pin_memory(), non_blocking=True)
     work = dist.all_reduce(slots, group=group, async_op=async_op) if world > 1 else None
     if async_op:
         return work, slots

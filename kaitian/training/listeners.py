@@ -1,4 +1,4 @@
-"""Callbacks between the training helpers, held so that no helper keeps another alive."""
+"""Callbacks between the training helpers, held weakly where a strong hold would close a cycle."""
 
 from __future__ import annotations
 
@@ -8,21 +8,25 @@ from typing import Any, Callable, List, Optional
 __all__ = ["Listeners"]
 
 
-def _weak_callable(callback: Callable) -> Callable[[], Optional[Callable]]:
-    """A weak reference to a bound method (no sampler/model <-> re-balancer cycle), else a strong one."""
-    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
-        return weakref.WeakMethod(callback)
-    return lambda: callback
-
-
 class Listeners:
-    """A list of callbacks; bound methods are held weakly and dropped once their object is gone."""
+    """A list of callbacks.
 
-    def __init__(self) -> None:
+    Args:
+        weak: hold bound methods weakly, dropping them once their object is
+            gone (a sampler's listeners: the re-balancer holds the sampler);
+            ``False``: hold them, keeping their objects alive (a model's: its
+            re-balancer lives as long as the model does).
+    """
+
+    def __init__(self, weak: bool = True) -> None:
+        self._weak = weak
         self._refs: List[Callable[[], Optional[Callable]]] = []
 
     def add(self, callback: Callable) -> None:
-        self._refs.append(_weak_callable(callback))
+        if self._weak and hasattr(callback, "__self__") and hasattr(callback, "__func__"):
+            self._refs.append(weakref.WeakMethod(callback))
+        else:
+            self._refs.append(lambda: callback)
 
     def __call__(self, *args: Any) -> None:
         for ref in list(self._refs):

@@ -23,10 +23,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from kaitian.errors import SplitError
 from kaitian.training.exchange import gather_per_rank
-from kaitian.training.sampler import DistributedSampler, SplitError, proportional_split
+from kaitian.training.sampler import DistributedSampler
+from kaitian.training.split import plan_split
 
-__all__ = ["Rebalancer", "RebalanceDecision", "plan_split", "DEFAULT_EVERY", "DEFAULT_SECONDS"]
+__all__ = ["Rebalancer", "RebalanceDecision", "DEFAULT_EVERY", "DEFAULT_SECONDS"]
 
 DEFAULT_EVERY = 25  # steps between re-balancing rounds ...
 DEFAULT_SECONDS = 10.0  # ... or seconds, whichever comes first
@@ -55,41 +57,6 @@ class RebalanceDecision:
     applied: bool
 
 
-def plan_split(
-    global_batch: int,
-    per_sample_s: Sequence[float],
-    current: Sequence[int],
-    caps: Optional[Sequence[Optional[int]]] = None,
-    min_gain: float = 0.03,
-    minimum: int = 1,
-) -> List[int]:
-    """The split that equalises compute time, or ``current`` if the gain is too small.
-
-    Args:
-        global_batch: samples per step over all ranks.
-        per_sample_s: each rank's compute seconds per sample (> 0).
-        current: the split in use.
-        caps: per-rank maximum batch (``None`` = no cap).
-        min_gain: keep ``current`` unless the predicted slowest-rank compute
-            time drops by more than this fraction (stops jitter from noise).
-        minimum: the smallest batch a rank may get.
-
-    Returns:
-        The split to use.
-    """
-    speeds = [1.0 / t for t in per_sample_s]
-    candidate = proportional_split(global_batch, speeds, caps=caps, minimum=minimum)
-
-    def slowest(split: Sequence[int]) -> float:
-        return max(b * t for b, t in zip(split, per_sample_s))
-
-    if list(candidate) == list(current):
-        return list(current)
-    if slowest(candidate) < slowest(current) * (1.0 - min_gain):
-        return candidate
-    return list(current)
-
-
 class Rebalancer:
     """Re-splits a :class:`kaitian.DistributedSampler` from measured compute speed.
 
@@ -103,7 +70,8 @@ class Rebalancer:
     Args:
         sampler: the sampler whose split is changed.
         model: the :class:`kaitian.DistributedDataParallel` whose step timings
-            are measured.
+            are measured; it trains on ``sampler`` from now on
+            (:meth:`~kaitian.DistributedDataParallel.use_sampler`).
         every: steps between rounds (default :data:`DEFAULT_EVERY`; ``1`` =
             every step); a change takes effect from the next batch drawn (use
             the sampler's ``batch_sampler()``; with DataLoader workers, batches
@@ -161,14 +129,12 @@ class Rebalancer:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.sampler = sampler
-        self._device = model._kt_device
         self.every = None if by_epoch else (DEFAULT_EVERY if every is None else int(every))
         self.seconds = 0.0 if by_epoch else (DEFAULT_SECONDS if seconds is None else float(seconds))
         self.smoothing = float(smoothing)
         self.min_gain = float(min_gain)
         self.warmup_steps = int(warmup_steps)
         self.measure = measure
-        self.group = group if group is not None else model.process_group
         self.world = sampler.num_replicas
         self._own_cap, self._caps = self._parse_caps(max_batch_size)
         self._ema: Optional[float] = None
@@ -177,18 +143,41 @@ class Rebalancer:
         self._skip = self.warmup_steps
         self._step = 0
         self._last_round = time.monotonic()
-        self._recorder = model.recorder
         self.history: List[RebalanceDecision] = []
-        # The model keeps the re-balancer alive; the re-balancer holds no
-        # reference to the model (no cycle to outlive the process group).
-        model._kt_keep_alive.append(self)
-        model.add_step_listener(self._on_step)
+        self._attach(model, group)
         sampler.add_split_listener(self._on_split_change)
         sampler.add_epoch_hook(self._on_epoch)
+
+    def _attach(self, model, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Measures ``model``'s steps and runs the rounds in its process group; ``model`` trains on the sampler."""
+        model.use_sampler(self.sampler)
+        self._device = model.device
+        self.group = group if group is not None else model.process_group
+        self._recorder = model.recorder
+        # The model keeps the re-balancer alive through its listeners; the
+        # re-balancer holds no reference to the model (no cycle to outlive the
+        # process group).
+        model.add_step_listener(self._on_step)
         if self.every is not None:
             model.add_before_step(self._on_before_step)
             if self.seconds > 0:
                 model.set_round_vote(self._time_for_round)
+
+    def rebind(self, model) -> None:
+        """Follows a re-formed job (:mod:`kaitian.elastic`): ``model`` is the new
+        :class:`kaitian.DistributedDataParallel`, the sampler already has the new world.
+
+        This rank's smoothed measurement and the history are kept; a per-rank
+        list of ``max_batch_size`` no longer matches the ranks and is dropped.
+        """
+        self.world = self.sampler.num_replicas
+        if self._caps is not None and len(self._caps) != self.world:
+            _log.warning("re-balancer: the per-rank max_batch_size list does not match the new world; dropped")
+            self._caps = None
+        self._window_compute, self._window_samples = 0.0, 0
+        self._skip = self.warmup_steps
+        self._step = 0
+        self._attach(model)
 
     def _parse_caps(self, max_batch_size):
         if max_batch_size is None:

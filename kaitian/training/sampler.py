@@ -21,27 +21,19 @@ Epoch layout (``N`` samples, global batch ``B``, split ``b_0 .. b_{W-1}``)::
 from __future__ import annotations
 
 import logging
-import math
-import sys
-import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.utils.data
 
-from kaitian.errors import SplitError
-from kaitian.settings import settings
-from kaitian.training.exchange import gather_per_rank
+from kaitian.errors import SplitError, TrainingError
 from kaitian.training.listeners import Listeners
+from kaitian.training.split import Capabilities, proportional_split, rank_capabilities
 
 __all__ = [
     "DistributedSampler",
     "KaitianBatchSampler",
-    "optimize_batch_size",
-    "proportional_split",
-    "gather_capabilities",
-    "latest_sampler",
     "kaitian_sampler_of",
     "SplitError",
     "DEFAULT_BATCH_SIZE",
@@ -50,158 +42,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 32  # per rank of an equal split, when batch_size is not given
-
-# The most recently created sampler (weakly): optimize_batch_size and
-# scale_loss answer from it.
-_latest: Optional["weakref.ref"] = None
-_latest_local: Optional[tuple] = None  # (batch_size, local batch) of that sampler, kept after it is gone
-
-
-def latest_sampler() -> Optional["DistributedSampler"]:
-    """The most recently created :class:`DistributedSampler` still alive, or ``None``."""
-    return _latest() if _latest is not None else None
-
-
-def proportional_split(
-    total: int,
-    weights: Sequence[float],
-    caps: Optional[Sequence[Optional[int]]] = None,
-    minimum: int = 1,
-) -> List[int]:
-    """Splits ``total`` items in proportion to ``weights`` (largest remainder).
-
-    Deterministic: ties go to the lower rank. Ranks whose share would exceed
-    their cap get the cap and the rest is re-split among the others.
-
-    Args:
-        total: items to hand out.
-        weights: one non-negative weight per rank (all zero = equal split).
-        caps: optional per-rank maximum (``None`` entries = no cap).
-        minimum: every rank gets at least this many.
-
-    Returns:
-        One count per rank, summing to ``total``.
-
-    Raises:
-        SplitError: ``total`` cannot be split within ``minimum`` and ``caps``.
-    """
-    n = len(weights)
-    if n == 0:
-        raise SplitError("cannot split a batch across zero ranks")
-    caps_list = [None] * n if caps is None else [None if c is None else int(c) for c in caps]
-    if len(caps_list) != n:
-        raise SplitError(f"got {len(caps_list)} caps for {n} ranks")
-    if total < minimum * n:
-        raise SplitError(f"cannot give {n} ranks at least {minimum} of {total} items")
-    if any(c is not None and c < minimum for c in caps_list):
-        raise SplitError(f"a per-rank cap is below the minimum of {minimum}")
-    if all(c is not None for c in caps_list) and sum(caps_list) < total:
-        raise SplitError(
-            f"per-rank maximum batches {caps_list} add up to less than the global batch {total}; "
-            "raise max_batch_size or lower batch_size"
-        )
-    w = [max(0.0, float(x)) if math.isfinite(float(x)) else 0.0 for x in weights]
-    if sum(w) <= 0.0:
-        w = [1.0] * n
-    result = [0] * n
-    fixed = [False] * n
-    # Water-filling: fix capped ranks until the proportional share fits everyone.
-    while True:
-        free = [i for i in range(n) if not fixed[i]]
-        remaining = total - sum(result[i] for i in range(n) if fixed[i])
-        free_w = sum(w[i] for i in free)
-        if free_w <= 0.0:
-            shares = {i: remaining / len(free) for i in free}
-        else:
-            shares = {i: remaining * w[i] / free_w for i in free}
-        over = [i for i in free if caps_list[i] is not None and shares[i] > caps_list[i]]
-        if not over:
-            break
-        for i in over:
-            result[i] = caps_list[i]
-            fixed[i] = True
-    # Give each free rank its minimum first, then the rest by largest remainder.
-    free = [i for i in range(n) if not fixed[i]]
-    remaining = total - sum(result[i] for i in range(n) if fixed[i])
-    base = {i: max(minimum, int(math.floor(shares[i]))) for i in free}
-    # Taking the minimum may overshoot; take back from whoever holds most beyond its
-    # share (never from a faster rank before a slower one).
-    excess = sum(base.values()) - remaining
-    while excess > 0:
-        above = [j for j in free if base[j] > minimum]
-        if not above:
-            raise SplitError(f"cannot give {n} ranks at least {minimum} of {total} items")
-        i = max(above, key=lambda j: (base[j] - shares[j], -j))
-        base[i] -= 1
-        excess -= 1
-    left = remaining - sum(base.values())
-    # Ranks lifted to the minimum already got more than their share: last in line.
-    order = sorted(free, key=lambda j: (-(shares[j] - base[j]), j))
-    k = 0
-    guard = 0
-    while left > 0:
-        i = order[k % len(order)]
-        if caps_list[i] is None or base[i] < caps_list[i]:
-            base[i] += 1
-            left -= 1
-        k += 1
-        guard += 1
-        if guard > 10 * (total + n):
-            raise SplitError(f"cannot split {total} items under caps {caps_list}")
-    for i in free:
-        result[i] = base[i]
-    return result
-
-
-def gather_capabilities(
-    own: Optional[float],
-    group: Optional[dist.ProcessGroup] = None,
-) -> List[Optional[float]]:
-    """Every rank's capability, exchanged through the process group.
-
-    Bit-identical on every rank (:mod:`kaitian.training.exchange`), so all
-    ranks derive the same split.
-
-    Args:
-        own: this rank's capability (samples/s), or ``None`` if unknown.
-        group: the process group (default: the world).
-
-    Returns:
-        One entry per rank of the group, ``None`` where unknown.
-    """
-    value = float(own) if own is not None and own > 0 else -1.0
-    return [None if row[0] <= 0 else row[0] for row in gather_per_rank([value], group)]
-
-
-def _fill_unknown(capabilities: Sequence[Optional[float]]) -> List[float]:
-    """Unknown capabilities get the mean of the known ones (all unknown: equal)."""
-    known = [c for c in capabilities if c is not None and c > 0]
-    fill = sum(known) / len(known) if known else 1.0
-    return [float(c) if c is not None and c > 0 else fill for c in capabilities]
-
-
-class _Pending:
-    """A split change waiting to take effect."""
-
-    def __init__(self, sizes: List[int], at_draw: Optional[int]) -> None:
-        self.sizes = sizes
-        self.at_draw = at_draw  # None: at the start of the next epoch
-
-
-def _calling_batch_sampler() -> Optional[torch.utils.data.BatchSampler]:
-    """The torch ``BatchSampler`` iterating this sampler, if that is who asks.
-
-    ``DataLoader(batch_size=B, sampler=s)`` wraps ``s`` in a ``BatchSampler``
-    whose ``__iter__`` frame drives ours; reading it lets the first step say
-    that ``B`` does not match this rank's share of the split.
-    """
-    try:
-        caller = sys._getframe(2).f_locals.get("self")
-    except (ValueError, AttributeError):
-        return None
-    if isinstance(caller, torch.utils.data.BatchSampler) and not isinstance(caller, KaitianBatchSampler):
-        return caller
-    return None
 
 
 class DistributedSampler(torch.utils.data.DistributedSampler):
@@ -255,11 +95,10 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         drop_last: bool = False,
         *,
         batch_size: Optional[int] = None,
-        capabilities: Optional[Union[Sequence[Optional[float]], Mapping[int, float]]] = None,
+        capabilities: Optional[Capabilities] = None,
         group: Optional[dist.ProcessGroup] = None,
         min_batch_size: int = 1,
     ) -> None:
-        global _latest, _latest_local
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(group) if initialized else None
         if batch_size is None and num_replicas is not None and world is not None and num_replicas != world:
@@ -289,40 +128,24 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.batch_size = batch_size
         self.min_batch_size = int(min_batch_size)
         self.global_batch_size = self.batch_size * self.num_replicas
-        self.capabilities = self._resolve_capabilities(capabilities, initialized, group)
+        self.capabilities = rank_capabilities(self.num_replicas, capabilities, group)
         self._split = proportional_split(self.global_batch_size, self.capabilities, minimum=self.min_batch_size)
-        self._pending: Optional[_Pending] = None
+        self._pending: Optional[Tuple[List[int], Optional[int]]] = None  # (split, at draw; None: next epoch)
         self._draws = 0  # batches handed out by batch_sampler(), over all epochs
         self._epoch_step = 0  # batches handed out in the current epoch
         self._resume_step: Optional[tuple] = None  # (epoch, step) from load_state_dict
-        self._batch_mode = False  # batch_sampler() was asked for
+        self._first = 0  # the current epoch's first step (0, or the checkpoint's)
+        self._yielded = 0  # indices __iter__ handed out in the current epoch
+        self._perm: Optional[tuple] = None  # ((len, shuffle, seed, epoch), permutation)
         self.last_batch_size = self._split[self.rank]  # size of the batch handed out last
         self._split_listeners = Listeners()
         self._epoch_listeners = Listeners()
-        _latest = weakref.ref(self)
-        _latest_local = (self.batch_size, self.local_batch_size)
         _log.info(
             "rank %d: global batch %d split %s (capabilities %s)",
             self.rank, self.global_batch_size, self._split, self.capabilities,
         )
 
     # -- capabilities and split -------------------------------------------------
-
-    def _resolve_capabilities(self, capabilities, initialized, group) -> List[float]:
-        if capabilities is not None:
-            if isinstance(capabilities, Mapping):
-                values = [capabilities.get(r) for r in range(self.num_replicas)]
-            else:
-                values = list(capabilities)
-            if len(values) != self.num_replicas:
-                raise SplitError(
-                    f"capabilities has {len(values)} entries for {self.num_replicas} ranks"
-                )
-            return _fill_unknown(values)
-        own = settings().capability
-        if initialized and self.num_replicas == dist.get_world_size(group) > 1:
-            return _fill_unknown(gather_capabilities(own, group))
-        return [1.0] * self.num_replicas
 
     @property
     def split(self) -> List[int]:
@@ -338,6 +161,12 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     def num_samples(self) -> int:
         """Samples this rank yields per epoch (torch's attribute)."""
         return len(self)
+
+    @property
+    def last_step_padding(self) -> int:
+        """Samples the last step repeats so that every rank has its minimum (0 without padding)."""
+        full, rest = self._layout()
+        return sum(rest) - (len(self.dataset) - full * self.global_batch_size) if rest else 0
 
     @property
     def total_size(self) -> int:
@@ -378,28 +207,30 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         Raises:
             SplitError: wrong length, a size below the minimum, or the wrong sum.
         """
-        sizes = [int(s) for s in batch_sizes]
-        if len(sizes) != self.num_replicas:
-            raise SplitError(f"split has {len(sizes)} entries for {self.num_replicas} ranks")
+        at = None if after_draws is None else self._draws + int(after_draws)
+        self._pending = (self._checked(batch_sizes, self.num_replicas), at)
+
+    def _checked(self, sizes: Sequence[int], ranks: int) -> List[int]:
+        """``sizes`` if they split the global batch over ``ranks`` ranks, each at least :attr:`min_batch_size`."""
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != ranks:
+            raise SplitError(f"split has {len(sizes)} entries for {ranks} ranks")
         if min(sizes) < self.min_batch_size:
             raise SplitError(f"every rank needs a batch of at least {self.min_batch_size}, got {sizes}")
         if sum(sizes) != self.global_batch_size:
-            raise SplitError(
-                f"split {sizes} adds up to {sum(sizes)}, not the global batch {self.global_batch_size}"
-            )
-        at = None if after_draws is None else self._draws + int(after_draws)
-        self._pending = _Pending(sizes, at)
+            raise SplitError(f"split {sizes} adds up to {sum(sizes)}, not the global batch {self.global_batch_size}")
+        return sizes
 
     def add_split_listener(self, callback) -> None:
         """Calls ``callback(old_split, new_split)`` whenever a new split takes effect."""
         self._split_listeners.add(callback)
 
     def _apply_pending(self, at_epoch_start: bool) -> None:
-        p = self._pending
-        if p is None:
+        if self._pending is None:
             return
-        if at_epoch_start or (p.at_draw is not None and self._draws >= p.at_draw):
-            old, self._split, self._pending = self._split, list(p.sizes), None
+        sizes, at_draw = self._pending
+        if at_epoch_start or (at_draw is not None and self._draws >= at_draw):
+            old, self._split, self._pending = self._split, list(sizes), None
             if old != self._split:
                 _log.info("rank %d: new split %s (was %s)", self.rank, self._split, old)
                 self._split_listeners(old, list(self._split))
@@ -409,10 +240,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     def __len__(self) -> int:
         """Samples this rank yields per epoch under the current split."""
         full, rest = self._layout()
-        own = full * self._split[self.rank]
-        if rest:
-            own += rest[self.rank]
-        return own
+        return full * self._split[self.rank] + (rest[self.rank] if rest else 0)
 
     @property
     def num_steps(self) -> int:
@@ -420,9 +248,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         full, rest = self._layout()
         return full + (1 if rest else 0)
 
-    def _layout(self, split: Optional[List[int]] = None):
+    def _layout(self) -> Tuple[int, Optional[List[int]]]:
         """(full steps, per-rank sizes of the short last step or None)."""
-        split = self._split if split is None else split
         n = len(self.dataset)
         if n == 0:
             raise SplitError("the dataset is empty")
@@ -436,15 +263,20 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             return full, None
         # Pad the last step so that every rank gets its minimum batch.
         remainder = max(remainder, self.min_batch_size * self.num_replicas)
-        return full, proportional_split(remainder, split, caps=split, minimum=self.min_batch_size)
+        return full, proportional_split(remainder, self._split, caps=self._split, minimum=self.min_batch_size)
 
     def _permutation(self) -> List[int]:
         n = len(self.dataset)
-        if not self.shuffle:
-            return list(range(n))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(n, generator=g).tolist()
+        key = (n, self.shuffle, self.seed, self.epoch)
+        if self._perm is None or self._perm[0] != key:  # drawn step by step: one permutation per epoch
+            if not self.shuffle:
+                perm = list(range(n))
+            else:
+                g = torch.Generator()
+                g.manual_seed(self.seed + self.epoch)
+                perm = torch.randperm(n, generator=g).tolist()
+            self._perm = (key, perm)
+        return self._perm[1]
 
     @staticmethod
     def _take(perm: List[int], start: int, count: int) -> List[int]:
@@ -454,60 +286,128 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             return perm[start:start + count]
         return [perm[(start + i) % n] for i in range(count)]
 
-    def _step_indices(self, perm: List[int], step: int, full: int, rest, split) -> List[int]:
-        sizes = split if step < full else rest
+    def _cut(self, step: int) -> List[int]:
+        """This rank's indices of ``step`` of the current epoch under the current split."""
+        full, rest = self._layout()
+        sizes = self._split if step < full else rest
         start = step * self.global_batch_size + sum(sizes[: self.rank])
-        return self._take(perm, start, sizes[self.rank])
+        indices = self._take(self._permutation(), start, sizes[self.rank])
+        self._epoch_step = step + 1
+        self.last_batch_size = len(indices)
+        return indices
 
-    def _first_step(self) -> int:
-        """Where this epoch starts: 0, or the step saved by :meth:`state_dict`."""
-        resume, self._resume_step = self._resume_step, None
-        if resume is not None and resume[0] == self.epoch:
-            return resume[1]
-        return 0
+    def _epoch(self, follow_split: bool) -> Iterator[List[int]]:
+        """The stepping loop: this rank's batches of the current epoch, from its first step.
 
-    def __iter__(self) -> Iterator[int]:
-        before = list(self._split)
+        Args:
+            follow_split: a split change takes effect at the step it is due
+                (:meth:`draw`); ``False``: the split is fixed for the epoch,
+                since a DataLoader's ``batch_size`` cannot follow it.
+        """
+        before = self._split
         self._apply_pending(at_epoch_start=True)
-        if self._split != before and not self._batch_mode:
+        if not follow_split and self._split != before:
             _log.warning(
                 "rank %d: the split changed to %s; a DataLoader built with "
                 "batch_size=%d must be rebuilt (or use batch_sampler=sampler.batch_sampler())",
                 self.rank, self._split, before[self.rank],
             )
-        perm = self._permutation()
-        full, rest = self._layout()
-        split = list(self._split)
-        first = self._first_step()
-        loader = _calling_batch_sampler()
-        if loader is not None and loader.batch_size != split[self.rank]:
-            raise SplitError(
-                f"rank {self.rank}: DataLoader(batch_size={loader.batch_size}, sampler=kaitian sampler) "
-                f"but kaitian's split {split} gives this rank {split[self.rank]} samples per step, so "
-                "ranks would run different numbers of steps; use "
-                "DataLoader(ds, batch_sampler=sampler.batch_sampler()) (follows re-balancing) or "
-                "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
-            )
-        for step in range(first, full + (1 if rest else 0)):
-            self._epoch_step = step + 1
-            indices = self._step_indices(perm, step, full, rest, split)
-            self.last_batch_size = len(indices)
-            yield from indices
+        resume, self._resume_step = self._resume_step, None
+        self._first = resume[1] if resume is not None and resume[0] == self.epoch else 0
+        self._yielded = 0
+        for step in range(self._first, self.num_steps):
+            yield self.draw(step) if follow_split else self._cut(step)
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's indices step after step, for ``DataLoader(ds, batch_size=local_batch_size, sampler=self)``."""
+        for indices in self._epoch(follow_split=False):
+            for index in indices:
+                self._yielded += 1
+                yield index
 
     def epoch_batches(self) -> Iterator[List[int]]:
         """This rank's batches for the current epoch, following split changes."""
-        self._apply_pending(at_epoch_start=True)
-        perm = self._permutation()
-        full, _ = self._layout()
-        for step in range(self._first_step(), self.num_steps):
-            self._apply_pending(at_epoch_start=False)
-            split = list(self._split)
-            _, rest = self._layout(split)
-            self._draws += 1
-            self._epoch_step = step + 1
-            indices = self._step_indices(perm, step, full, rest, split)
-            self.last_batch_size = len(indices)
-            yield indices
+        return self._epoch(follow_split=True)
+
+    def draw(self, step: int) -> List[int]:
+        """This rank's indices for ``step`` of the current epoch, as :meth:`batch_sampler` hands them out.
+
+        A split change that is due takes effect first (at step 0 also one
+        waiting for the epoch). Drawing the same step again after
+        :meth:`reshape` gives this rank's share of the same global batch
+        under the new split.
+        """
+        self._apply_pending(at_epoch_start=step == 0)
+        self._draws += 1
+        return self._cut(step)
+
+    def reshape(self, num_replicas: int, rank: int, split: Sequence[int]) -> None:
+        """Takes a new world with the same global batch, also mid-epoch (:mod:`kaitian.elastic`).
+
+        The epoch, its permutation and the step are kept, so drawing a step
+        again gives the same global batch cut at the new ranks. Call it with
+        the same ``num_replicas`` and ``split`` on every rank of the new world.
+
+        Args:
+            num_replicas: ranks in the new world.
+            rank: this rank in it.
+            split: one batch size per new rank, summing to the global batch;
+                it replaces the current split and any pending change.
+
+        Raises:
+            SplitError: ``split`` does not fit the new world or the global batch.
+            ValueError: ``rank`` is out of range.
+        """
+        sizes = self._checked(split, int(num_replicas))
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}]")
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        self._split, self._pending = sizes, None
+        self.capabilities = [float(s) for s in sizes]
+        self.batch_size = max(1, self.global_batch_size // self.num_replicas)  # the equal split's, nominally
+        self.last_batch_size = sizes[self.rank]
+
+    @property
+    def yielded(self) -> int:
+        """Indices ``iter(sampler)`` handed out in this epoch: what a DataLoader with its own ``batch_size`` took.
+
+        0 when batches are handed out whole (:meth:`batch_sampler`, :meth:`draw`).
+        """
+        return self._yielded
+
+    def check_yielded(self, yielded: Sequence[int]) -> None:
+        """Refuses DataLoaders whose batches cut this epoch's steps; ``yielded``: every rank's :attr:`yielded`.
+
+        kaitian's DDP and :func:`kaitian.scale_loss` exchange :attr:`yielded`
+        with each step's counts and call this on every rank. A DataLoader that
+        takes whole steps of its rank's share is at a step boundary whenever a
+        step trains (also with workers that draw ahead); one whose
+        ``batch_size`` is not that share soon is not, and ranks would run
+        different numbers of steps.
+
+        Raises:
+            TrainingError: naming each rank whose loader stands inside a step.
+        """
+        if len(yielded) != self.num_replicas:
+            return
+        full, rest = self._layout()
+        whole = max(0, full - self._first)  # full steps from where this epoch started
+        cut = []
+        for rank, (taken, share) in enumerate(zip(yielded, self._split)):
+            taken = int(taken)
+            if taken <= whole * share:
+                inside = taken % share != 0
+            else:
+                inside = rest is None or taken != whole * share + rest[rank]
+            if inside:
+                cut.append(f"rank {rank}'s DataLoader has taken {taken} samples, not whole steps of {share}")
+        if cut:
+            raise TrainingError(
+                f"{', '.join(cut)} (kaitian's split {self._split}): a DataLoader's batch_size must be its rank's "
+                "share, or ranks run different numbers of steps; use DataLoader(ds, "
+                "batch_sampler=sampler.batch_sampler()) (follows re-balancing) or "
+                "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
+            )
 
     def batch_sampler(self) -> "KaitianBatchSampler":
         """A batch sampler for ``DataLoader(ds, batch_sampler=...)`` that follows the split."""
@@ -535,8 +435,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """
         pending = None
         if self._pending is not None:
-            at = self._pending.at_draw
-            pending = [list(self._pending.sizes), None if at is None else max(0, at - self._draws)]
+            sizes, at = self._pending
+            pending = [list(sizes), None if at is None else max(0, at - self._draws)]
         return {
             "epoch": self.epoch,
             "step": self._epoch_step if step is None else int(step),
@@ -562,20 +462,11 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.epoch = int(state["epoch"])
         self._split = [int(s) for s in state["split"]]
         pending = state.get("pending")
-        self._pending = None if not pending else _Pending(
+        self._pending = None if not pending else (
             [int(s) for s in pending[0]], None if pending[1] is None else self._draws + int(pending[1])
         )
         self._resume_step = (self.epoch, int(state["step"]))
         self._epoch_step = int(state["step"])
-
-    def state(self) -> Dict[str, object]:
-        """A summary for logs: rank, split, capabilities, steps."""
-        return {
-            "rank": self.rank,
-            "split": self.split,
-            "capabilities": list(self.capabilities),
-            "steps": self.num_steps,
-        }
 
 
 class KaitianBatchSampler(torch.utils.data.BatchSampler):
@@ -586,7 +477,6 @@ class KaitianBatchSampler(torch.utils.data.BatchSampler):
     """
 
     def __init__(self, sampler: DistributedSampler) -> None:  # torch's __init__ checks a fixed size
-        sampler._batch_mode = True
         self.sampler = sampler
         self.drop_last = sampler.drop_last
 
@@ -609,29 +499,3 @@ def kaitian_sampler_of(loader) -> Optional[DistributedSampler]:
         return batch_sampler.sampler
     sampler = getattr(loader, "sampler", None)
     return sampler if isinstance(sampler, DistributedSampler) else None
-
-
-def optimize_batch_size(batch_size: int) -> int:
-    """This rank's local batch for a per-rank ``batch_size`` (the original API).
-
-    Answers from the last :class:`DistributedSampler` created with that
-    ``batch_size``; without one, splits by the gathered capabilities (a
-    collective: call it on every rank).
-
-    Args:
-        batch_size: the per-rank batch of an equal split.
-
-    Returns:
-        This rank's batch under the capability split.
-    """
-    s = latest_sampler()
-    if s is not None and s.batch_size == int(batch_size):
-        return s.local_batch_size
-    if s is None and _latest_local is not None and _latest_local[0] == int(batch_size):
-        return _latest_local[1]
-    initialized = dist.is_available() and dist.is_initialized()
-    if not initialized:
-        return int(batch_size)
-    world = dist.get_world_size()
-    caps = _fill_unknown(gather_capabilities(settings().capability))
-    return proportional_split(int(batch_size) * world, caps)[dist.get_rank()]

@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from kaitian.errors import TrainingError
 from kaitian.training.exchange import gather_per_rank
+from kaitian.training.sampler import DistributedSampler
 
-__all__ = ["scale_loss", "global_count", "StepCheck", "check_steps", "current_epoch"]
+__all__ = ["scale_loss", "global_count", "StepCheck", "check_steps"]
 
 Count = Union[int, float, torch.Tensor]
 
@@ -37,70 +38,60 @@ def _as_float(count: Count) -> float:
 
 
 class StepCheck:
-    """Tags each exchange with (epoch, step in epoch) so ranks at different steps are caught.
+    """Tags each exchange with where this rank is, so that ranks at different steps are caught.
 
     A DataLoader that gives ranks different numbers of batches makes their
     collectives pair up wrongly; the tag names the ranks instead of hanging or
-    mixing steps.
+    mixing steps. A tag is the sampler's epoch (0 without one), the step in
+    it, and the sampler's :attr:`~kaitian.DistributedSampler.yielded` (see
+    :func:`check_steps`).
     """
 
     def __init__(self) -> None:
         self._epoch: Optional[int] = None
         self._step = 0
 
-    def next_tag(self, epoch: int) -> List[float]:
+    def next_tag(self, sampler: Optional[DistributedSampler]) -> List[int]:
+        epoch = sampler.epoch if sampler is not None else 0
         if epoch != self._epoch:
             self._epoch, self._step = epoch, 0
-        tag = [float(epoch), float(self._step)]
+        tag = [epoch, self._step, sampler.yielded if sampler is not None else 0]
         self._step += 1
         return tag
 
 
-def check_steps(tags: Sequence[Sequence[float]], what: str = "step") -> None:
-    """Raises :class:`TrainingError` naming the ranks if their (epoch, step) tags differ."""
-    if len({(int(e), int(s)) for e, s in tags}) <= 1:
-        return
-    where = ", ".join(f"rank {r} at epoch {int(e)} {what} {int(s)}" for r, (e, s) in enumerate(tags))
-    raise TrainingError(
-        f"ranks are at different steps ({where}): their loaders give them different numbers of "
-        "batches; use DataLoader(ds, batch_sampler=sampler.batch_sampler()) or "
-        "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
-    )
+def check_steps(tags: Sequence[Sequence[float]], sampler: Optional[DistributedSampler]) -> None:
+    """Raises :class:`TrainingError` naming the ranks if their (epoch, step) tags differ, or if
+    a rank's DataLoader cuts the sampler's steps (:meth:`~kaitian.DistributedSampler.check_yielded`)."""
+    if len({(int(e), int(s)) for e, s, _ in tags}) > 1:
+        where = ", ".join(f"rank {r} at epoch {int(e)} step {int(s)}" for r, (e, s, _) in enumerate(tags))
+        raise TrainingError(
+            f"ranks are at different steps ({where}): their loaders give them different numbers of "
+            "batches; use DataLoader(ds, batch_sampler=sampler.batch_sampler()) or "
+            "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
+        )
+    if sampler is not None:
+        sampler.check_yielded([tag[2] for tag in tags])
 
 
 _check = StepCheck()
 
 
-def current_epoch() -> int:
-    """The epoch of the newest kaitian sampler (0 without one): the tag of each exchange."""
-    from kaitian.training.sampler import latest_sampler
-
-    sampler = latest_sampler()
-    return sampler.epoch if sampler is not None else 0
-
-
-def _default_count() -> int:
-    from kaitian.training.sampler import latest_sampler
-
-    sampler = latest_sampler()
-    if sampler is None:
-        raise TrainingError(
-            "kaitian.scale_loss(loss) needs count= (this rank's samples or tokens in the loss) "
-            "when no kaitian.DistributedSampler is in use"
-        )
-    return sampler.last_batch_size
-
-
-def global_count(count: Count, group: Optional[dist.ProcessGroup] = None) -> float:
+def global_count(
+    count: Count,
+    group: Optional[dist.ProcessGroup] = None,
+    sampler: Optional[DistributedSampler] = None,
+) -> float:
     """The sum of ``count`` over all ranks (a collective: call it on every rank).
 
     Use it for the ``total`` of :func:`scale_loss` over a gradient-accumulation
     window: ``total = global_count(sum of this rank's counts in the window)``.
+    ``sampler``: as in :func:`scale_loss`.
     """
     if _world(group) == 1:
         return _as_float(count)
-    counts = gather_per_rank([_as_float(count), *_check.next_tag(current_epoch())], group)
-    check_steps([row[1:] for row in counts])
+    counts = gather_per_rank([_as_float(count), *_check.next_tag(sampler)], group)
+    check_steps([row[1:] for row in counts], sampler)
     return sum(row[0] for row in counts)
 
 
@@ -109,6 +100,7 @@ def scale_loss(
     count: Optional[Count] = None,
     total: Optional[Count] = None,
     group: Optional[dist.ProcessGroup] = None,
+    sampler: Optional[DistributedSampler] = None,
 ) -> torch.Tensor:
     """This rank's mean loss scaled so that any DDP's average is the global-batch mean.
 
@@ -117,9 +109,9 @@ def scale_loss(
     Args:
         loss: the mean loss over this rank's batch (``reduction="mean"``).
         count: what ``loss`` is a mean over on this rank: samples or tokens.
-            Default: the size of the batch kaitian's sampler handed out last
-            (right with ``num_workers=0``; a DataLoader with workers draws
-            ahead, so pass ``count=len(batch)`` there).
+            Default: the size of the batch ``sampler`` handed out last (right
+            with ``num_workers=0``; a DataLoader with workers draws ahead, so
+            pass ``count=len(batch)`` there).
         total: ``count`` summed over all ranks for the synchronised step.
             Default: exchanged here (a collective on every call; it also
             checks that all ranks are at the same step). With gradient
@@ -128,14 +120,22 @@ def scale_loss(
             of micro-batches: the accumulated gradient is then the mean over
             every sample of the window.
         group: the DDP's process group (default: the world).
+        sampler: the :class:`kaitian.DistributedSampler` the batch came from:
+            its epoch tags the exchange (ranks at different steps are named),
+            and a DataLoader whose ``batch_size`` cuts its steps is refused.
 
     Returns:
         The scaled loss.
     """
-    own = _as_float(_default_count() if count is None else count)
+    if count is None and sampler is None:
+        raise TrainingError(
+            "kaitian.scale_loss(loss) needs count= (this rank's samples or tokens in the loss) "
+            "or sampler= (the kaitian.DistributedSampler the batch came from)"
+        )
+    own = _as_float(sampler.last_batch_size if count is None else count)
     world = _world(group)
     if total is None:
-        total = global_count(own, group)
+        total = global_count(own, group, sampler)
     total = _as_float(total)
     if total <= 0:
         raise TrainingError(f"scale_loss: the global count is {total}; every step needs samples")

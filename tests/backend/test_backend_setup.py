@@ -15,14 +15,14 @@ import time
 import pytest
 
 from kaitian.backend import groups as L
+from kaitian.devices.device import WorkerDevice
 from kaitian.backend import shm_gc
 
-from support import REPO
+from support import REPO, TESTS
 
 
 def _info(rank, group, device="cpu", host="h"):
-    return L.RankInfo(rank=rank, group=group, device_type=device, device_index=rank, host=host,
-                      pid=100 + rank, pid_ns=1)
+    return L.RankInfo(rank=rank, device=WorkerDevice(device, rank, group), host=host, pid=100 + rank, pid_ns=1)
 
 
 def test_layout_orders_groups_by_first_rank():
@@ -32,7 +32,7 @@ def test_layout_orders_groups_by_first_rank():
     assert lay.group_device == ["cuda", "cpu", "cpu"]
     assert lay.group_of == [0, 1, 0, 2]
     assert lay.members == [[0, 2], [1], [3]]
-    assert lay.group_rank(2) == 1 and lay.single_host
+    assert lay.single_host
 
 
 def test_layout_rejects_mixed_device_types_and_sees_hosts():
@@ -40,8 +40,8 @@ def test_layout_rejects_mixed_device_types_and_sees_hosts():
         L.build_layout([_info(0, "g"), _info(1, "g", "cuda")])
     assert not L.build_layout([_info(0, "a", host="x"), _info(1, "b", host="y")]).single_host
     # Two agents on one host, each with its own run dir: two nodes (TCP bridge).
-    two_agents = [L.RankInfo(0, "a", "cpu", 0, "h", 1, 1, run_dir="/r/agent1"),
-                  L.RankInfo(1, "b", "cpu", 0, "h", 2, 1, run_dir="/r/agent2")]
+    two_agents = [L.RankInfo(0, WorkerDevice("cpu", 0, "a"), "h", 1, 1, run_dir="/r/agent1"),
+                  L.RankInfo(1, WorkerDevice("cpu", 0, "b"), "h", 2, 1, run_dir="/r/agent2")]
     assert not L.build_layout(two_agents).single_host
 
 
@@ -89,17 +89,10 @@ def _kill_during_setup(tmp_path, attempt: int):
     """Starts rank 0 of a 2-rank bridge whose rank 1 never comes, SIGKILLs it once its
     segment exists; returns the segment name (or None) and the rank's output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAITIAN_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([REPO, TESTS, env.get("PYTHONPATH", "")])
     code = textwrap.dedent(f"""
-        import torch.distributed as dist
-        from kaitian import _C
-        from kaitian.backend import shm_gc
-        meet = dist.FileStore({str(tmp_path / f"meet{attempt}")!r}, 2)
-        _C.create_backend(store=dist.HashStore(), rank=0, size=2, timeout_ms=60000,
-            group_of=[0, 1], group_names=["cpu0", "cpu1"], group_device=["cpu", "cpu"],
-            flat_intra=True, intra_device=None, intra_cpu=None, bridge_kind="shm",
-            bridge_store=meet, shm_name=shm_gc.segment_name("feedbeef", 0),
-            chunk_bytes=1 << 16, pids=[-1, -1], tcp_host="")
+        from support.bridge_pair import shm_backend
+        shm_backend(0, {str(tmp_path / f"meet{attempt}")!r}, "feedbeef", timeout_ms=60000)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
@@ -175,3 +168,52 @@ def test_worker_with_another_kaitian_than_its_agent_refuses_to_start():
             assert "but kaitianrun runs 0.0.0/1" in text and "install the agent's kaitian" in text, text
     finally:
         cleanup(run)
+
+
+@pytest.mark.parametrize("plugin_first", [False, True], ids=["plugin-after-kaitian", "plugin-first"])
+def test_a_vendor_plug_in_device_reaches_kaitian_whatever_the_import_order(plugin_first):
+    # torch_mlu renames torch's PrivateUse1 slot to "mlu" when imported, often
+    # after `import kaitian` (issue 16): its tensors must still find the backend
+    rename = 'torch.utils.rename_privateuse1_backend("mlu")'
+    code = textwrap.dedent(f"""
+        import os, torch, torch.distributed as dist
+        {rename if plugin_first else ""}
+        import kaitian
+        {"" if plugin_first else rename}
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_port()}")
+        dist.init_process_group("kaitian", rank=0, world_size=1)
+        print(type(dist.group.WORLD._get_backend(torch.device("mlu"))).__name__)
+        dist.destroy_process_group()
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAITIAN_")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=REPO)
+    assert run.returncode == 0 and run.stdout.split()[-1:] == ["KaitianBackend"], run.stderr[-2000:]
+
+
+def test_a_cncl_group_gets_its_timeout_ranks_and_name(monkeypatch):
+    # As the NCCL group (issue 16, defect 7): torch_mlu's ProcessGroupCNCL gets
+    # Options with kaitian's vendor timeout and, as its options allow, the
+    # group's world ranks and name. No MLU here: a stand-in class records them.
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from kaitian.backend import factory
+
+    made = {}
+
+    class ProcessGroupCNCL:
+        class Options:
+            def __init__(self):
+                self._timeout, self.global_ranks_in_group, self.group_name = None, [], ""
+
+        def __init__(self, store, rank, size, options):
+            made.update(rank=rank, size=size, options=options)
+
+    monkeypatch.setattr(dist, "ProcessGroupCNCL", ProcessGroupCNCL, raising=False)
+    factory._vendor_backend("cncl", dist.HashStore(), 1, 2, timedelta(seconds=30), members=[2, 5],
+                            group_name="kaitian/intra/mlu/mlu")
+    options = made["options"]
+    assert (made["rank"], made["size"]) == (1, 2)
+    assert options._timeout == factory.vendor_timeout(timedelta(seconds=30))
+    assert options.global_ranks_in_group == [2, 5] and options.group_name == "kaitian/intra/mlu/mlu"

@@ -3,7 +3,10 @@
 Each layout (ranks per simulated vendor group, e.g. ``2+1``) starts its ranks
 once and runs the whole matrix of ``_collective_matrix.py`` in them; every case
 becomes its own pytest item here, named ``layout-case``. A failure message names
-the op, dtype, layout, rank and the first differing element.
+the op, dtype, layout, rank and the first differing element. Layouts with fake
+MLUs (``2mlu+1cpu``) run the device path on the fake accelerator, whose
+streams punish a missing wait; the fake's own ``cncl`` backend is checked here
+too, against gloo and against the vendor table's CNCL gaps.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 import pytest
 
 
+from kaitian.devices.vendors import CNCL_GAPS
 from support import collective_cases as matrix
 from support import worker
 from support.ranks import Layout, cleanup, run_ranks, tail
@@ -34,13 +38,18 @@ LAYOUTS = [
     Layout("2+1", env=(("KAITIAN_INTRA", "shm"), ("KAITIAN_CHUNK_BYTES", "65536")), core_only=True),
     Layout("2+1", env=(("KAITIAN_BRIDGE", "tcp"),), core_only=True),
     Layout("1+1", env=(("KAITIAN_BRIDGE", "tcp"), ("KAITIAN_CHUNK_BYTES", "4096")), core_only=True),
+    # The device path on fake MLUs: a cncl group beside a CPU rank, and one MLU
+    # beside two CPU groups; with 64 KiB chunks the large cases cross many
+    # chunks and several segments (16 chunks each).
+    Layout("2+1", devices=("mlu", "cpu"), env=(("KAITIAN_CHUNK_BYTES", "65536"),)),
+    Layout("1+1+1", devices=("mlu", "cpu", "cpu"), env=(("KAITIAN_CHUNK_BYTES", "65536"),), core_only=True),
 ]
 
 _SCRIPT = worker("collective_matrix")
 _TIMEOUT = float(os.environ.get("KT_MATRIX_TIMEOUT", "240"))
 
 
-def _run_matrix(layout: Layout, backend: str = "kaitian", fault=None, only=()) -> dict:
+def _run_matrix(layout: Layout, backend: str = "kaitian", fault=None, only=(), skip=()) -> dict:
     """Runs the matrix on ``layout``; returns {case: [per-rank record or None]} plus run info."""
     argv = [_SCRIPT, "--backend", backend]
     if layout.core_only:
@@ -49,6 +58,8 @@ def _run_matrix(layout: Layout, backend: str = "kaitian", fault=None, only=()) -
         argv.append(f"--fault={fault}")
     for o in only:
         argv.append(f"--only={o}")
+    for o in skip:
+        argv.append(f"--skip={o}")
     run = run_ranks(layout, argv, _TIMEOUT)
     per_case: dict = {}
     started: list = [None] * layout.world_size
@@ -85,7 +96,7 @@ def _layout_result(layout: Layout) -> dict:
 
 def _items():
     for layout in LAYOUTS:
-        for name in matrix.case_names(layout.world_size, layout.core_only):
+        for name in matrix.case_names(layout.world_size, layout.core_only, layout.fake_mlus > 0):
             yield pytest.param(layout, name, id=f"{layout.id}-{name}")
 
 
@@ -140,3 +151,32 @@ def test_harness_catches_wrong_results() -> None:
                      or n.endswith("noncontig") or "int16" in n}
     assert {n for n, ok in outcome.items() if not ok} == expected_fail, outcome
     assert "all_reduce-SUM-float32-noncontig" in expected_fail and len(outcome) > 15, outcome
+
+
+# What the fake cncl backend refuses besides the vendor table's gaps, as CNCL
+# does: PREMUL_SUM and non-contiguous tensors; and the ops ProcessGroupCNCL has
+# that kaitian never asks of a vendor (left to torch's "does not support").
+_CNCL_REFUSES = {"PREMUL_SUM", "noncontig"}
+_CNCL_LACKS = {"all_reduce_coalesced", "all_gather_coalesced", "all_gather_into_tensor_coalesced",
+               "reduce_scatter_tensor_coalesced", "gather", "scatter", "all_to_all"}
+
+
+def test_fake_cncl_matches_gloo_where_cncl_can() -> None:
+    """The fake accelerator's cncl backend, 2 ranks on fake MLUs, the whole matrix:
+    each case passes against gloo unless CNCL cannot do it, and then it raises
+    (never rounds). What it refuses by dtype and reduce op is exactly the vendor
+    table's CNCL_GAPS (bool, which CNCL carries as uint8, passes)."""
+    layout = Layout("2", devices=("mlu",))
+    # CNCL has no any-source receive: the peer's send would be left waiting.
+    res = _run_matrix(layout, backend="cncl", skip=("recv_anysource",))
+    assert res["info"]["returncodes"] == [0, 0], _explain_missing(layout, res, "(cncl)")
+    wrong = []
+    for name, recs in res["cases"].items():
+        parts = set(name.split("-"))
+        refused = bool(parts & (CNCL_GAPS | _CNCL_REFUSES)) or name.split("-")[0] in _CNCL_LACKS
+        for rank, r in enumerate(recs):
+            if r is None or r["ok"] == refused:
+                wrong.append(f"{name} rank {rank}: {'no result' if r is None else r['msg'] or 'passed'}")
+            elif refused and not ("fake cncl" in r["msg"] or "does not support" in r["msg"]):
+                wrong.append(f"{name} rank {rank}: failed without refusing: {r['msg']}")
+    assert not wrong and len(res["cases"]) > 250, "\n".join(wrong)

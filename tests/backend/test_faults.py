@@ -11,10 +11,12 @@ import contextlib
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from support import worker
+from support import REPO, TESTS, worker
 from support.ranks import Layout, cleanup, run_ranks, tail
 
 _WORKER = worker("faults")
@@ -173,8 +175,8 @@ def _bridge_with_peer_segment(tmp_path, mode: int, size: int) -> str:
     """Rank 0 of a 2-rank shm bridge whose 'rank 1' published a segment we made; returns the error."""
     import torch.distributed as dist
 
-    from kaitian import _C
     from kaitian.backend import shm_gc
+    from support.bridge_pair import shm_backend
 
     fake = shm_gc.segment_name("feedbeef", 1)
     path = "/dev/shm" + fake
@@ -185,11 +187,7 @@ def _bridge_with_peer_segment(tmp_path, mode: int, size: int) -> str:
     meet = dist.FileStore(str(tmp_path / "meet"), 2)
     meet.set("kaitian/shm/1", fake)
     try:
-        _C.create_backend(store=dist.HashStore(), rank=0, size=2, timeout_ms=5000, group_of=[0, 1],
-                          group_names=["cpu0", "cpu1"], group_device=["cpu", "cpu"], flat_intra=True,
-                          intra_device=None, intra_cpu=None, bridge_kind="shm", bridge_store=meet,
-                          shm_name=shm_gc.segment_name("feedbeef", 0), chunk_bytes=1 << 16, pids=[-1, -1],
-                          tcp_host="")
+        shm_backend(0, meet, "feedbeef", timeout_ms=5000)
     except Exception as e:  # the refusal under test
         return str(e)
     finally:
@@ -205,3 +203,34 @@ def test_peer_segment_open_to_others_is_refused(tmp_path) -> None:
 def test_peer_segment_of_another_size_is_refused(tmp_path) -> None:
     err = _bridge_with_peer_segment(tmp_path, 0o600, 4096)
     assert "refusing rank 1's shared memory" in err and "4096 bytes, expected" in err, err
+
+
+_SPIN_FOREVER = r"""
+import sys, time
+import torch
+from support.bridge_pair import build_pair
+
+backends = build_pair(sys.argv[1], "5b1b5b1b", timeout_ms=2000, spin_us=10**10)
+start = time.monotonic()
+try:  # rank 1 never joins: rank 0 spins on its counter
+    backends[0].allreduce([torch.ones(4)]).wait()
+    print("NO ERROR")
+except Exception as e:
+    print(f"{time.monotonic() - start:.1f} s: {e}")
+for b in backends.values():
+    b.kaitian_shutdown()
+"""
+
+
+def _with_tests_path() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
+
+
+def test_a_long_spin_still_honours_the_deadline(tmp_path) -> None:
+    """The spin before the futex sleep checks the deadline and the peers too (issue 20):
+    a spin far longer than the group timeout ends at the timeout."""
+    proc = subprocess.run([sys.executable, "-c", _SPIN_FOREVER, str(tmp_path / "meet")],
+                          capture_output=True, text=True, timeout=30, env=_with_tests_path())
+    line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    assert "timed out after 2.0 s" in line, line
+    assert float(line.split(" s:")[0]) < 6, line

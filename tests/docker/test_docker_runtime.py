@@ -13,18 +13,23 @@ import sys
 import textwrap
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
+import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
 from support import REPO, TESTS, worker
 from support.docker import TEST_IMAGE, WORKER_UID, engine, inspect, kaitian_containers, own, test_image
 from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotFoundError
 from kaitian.devices.device import WorkerDevice
-from kaitian.launcher.runtimes.base import RunContext, WorkerLaunch, WorkerStart
+from kaitian.launcher.plan import LocalWorker, NodePlan
+from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 from kaitian.launcher.runtimes.docker.client import connect
 from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
-from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
+from kaitian.launcher.runtimes.docker.options import DockerOptions
+from kaitian.launcher.runtimes.options import RuntimeOptions
+from kaitian.settings import Settings
 
 WORKER = worker("docker_runtime")
 
@@ -39,13 +44,15 @@ def run(tmp_path, image):
     """Builds runtimes for one test and removes whatever they left."""
     made = []
 
-    def make(images=None, **options):
+    def make(images=None, hand_over=True, cpu_quotas=None, **options):
         run_id = f"t{uuid.uuid4().hex[:8]}"
         run_dir = tmp_path / "run"
         run_dir.mkdir(mode=0o700, exist_ok=True)
         ctx = RunContext(
-            run_id=run_id, run_dir=str(run_dir), log_dir=None, cwd=own(str(tmp_path)),
-            options=RuntimeOptions(docker=DockerOptions(images=images or {"cpu": image}, **options)),
+            run_id=run_id, run_dir=str(run_dir), log_dir=None,
+            cwd=own(str(tmp_path)) if hand_over else str(tmp_path),
+            options=RuntimeOptions(own={"docker": DockerOptions(images=images or {"cpu": image}, **options)}),
+            plan=NodePlan(tuple(_two_groups().values()), cpu_quotas or {}),
         )
         rt = DockerRuntime(ctx)
         made.append(rt)
@@ -60,15 +67,17 @@ def run(tmp_path, image):
 
 def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=Std.NONE, log_dir=None):
     out = tmp_path / "out"
-    own(str(out))
+    out.mkdir(exist_ok=True)
+    if os.stat(rt.ctx.cwd).st_uid == WORKER_UID:  # handed to the workers: so is out
+        own(str(out))
     envs = {}
     for r, w in workers.items():
         envs[r] = {
             **os.environ,
             "PATH": "/host-only-marker:" + os.environ["PATH"],
             "PYTHONPATH": f"{REPO}:{TESTS}",
-            "RANK": str(w.global_rank), "LOCAL_RANK": str(r), "WORLD_SIZE": str(len(workers)),
-            "KAITIAN_GROUP": w.device.group, "KAITIAN_DEVICE_TYPE": w.device.type,
+            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(len(workers)),
+            **Settings.for_device(w.device).to_env(),
             "TORCHELASTIC_RUN_ID": rt.ctx.run_id, "TORCHELASTIC_RESTART_COUNT": "0",
             "DOCKER_TEST_MODE": mode, "DOCKER_TEST_OUT": str(out),
             "JOB_VARIABLE": f"passed-{r}",
@@ -83,10 +92,10 @@ def _start(rt, tmp_path, workers, mode, extra_env=None, redirects=Std.ALL, tee=S
     return pc, out
 
 
-def _two_groups(quota=None):
+def _two_groups():
     return {
-        0: WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None),
-        1: WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "cpu1"), (1,), quota),
+        0: LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,)),
+        1: LocalWorker(1, WorkerDevice("cpu", 1, "cpu1"), (1,)),
     }
 
 
@@ -112,8 +121,8 @@ def _wait_file(path, timeout=60):
 
 
 def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
-    rt = run(shm_size="256m")
-    pc, out = _start(rt, tmp_path, _two_groups(quota=0.5), "env")
+    rt = run(shm_size="256m", cpu_quotas={"cpu1": 0.5})
+    pc, out = _start(rt, tmp_path, _two_groups(), "env")
     try:
         host_pids = pc.pids()
         result = pc.wait(120, period=0.1)
@@ -167,7 +176,7 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
 
     # A restart reuses the group's container.
     ids = {g: c.id for g, c in containers.items()}
-    pc2, _ = _start(rt, tmp_path, _two_groups(quota=0.5), "env")
+    pc2, _ = _start(rt, tmp_path, _two_groups(), "env")
     try:
         assert not pc2.wait(120, period=0.1).is_failed()
     finally:
@@ -207,8 +216,7 @@ def test_mounts_are_exactly_the_run_directories_never_their_parents(run, tmp_pat
     rt = run()
     run_dir = tmp_path_factory.mktemp("elsewhere-run")
     log_dir = own(str(tmp_path_factory.mktemp("elsewhere-logs")))
-    rt.ctx = RunContext(run_id=rt.ctx.run_id, run_dir=str(run_dir), log_dir=log_dir, cwd=rt.ctx.cwd,
-                        options=rt.ctx.options)
+    rt.ctx = replace(rt.ctx, run_dir=str(run_dir), log_dir=log_dir)
     pc, _ = _start(rt, tmp_path, _two_groups(), "fail", log_dir=log_dir)
     try:
         result = pc.wait(120, period=0.1)
@@ -319,13 +327,14 @@ _KILLED_AGENT = textwrap.dedent("""
     import test_docker_runtime as t
     from kaitian.launcher.runtimes.base import RunContext
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
-    from kaitian.launcher.runtimes.options import DockerOptions, RuntimeOptions
+    from kaitian.launcher.runtimes.docker.options import DockerOptions
+    from kaitian.launcher.runtimes.options import RuntimeOptions
     import pathlib
     from kaitian.launcher.rundir import RunDir
     tmp = pathlib.Path({tmp!r})
     run_dir = RunDir({run_id!r})  # a real one: the next start collects it
     ctx = RunContext(run_id={run_id!r}, run_dir=run_dir.path, log_dir=None, cwd=str(tmp),
-                     options=RuntimeOptions(docker=DockerOptions(images={{"cpu": {image!r}}})))
+                     options=RuntimeOptions(own={{"docker": DockerOptions(images={{"cpu": {image!r}}})}}))
     pc, out = t._start(DockerRuntime(ctx), tmp, t._two_groups(), "segment")
     print(run_dir.path, flush=True)
     time.sleep(300)
@@ -421,7 +430,7 @@ def test_cuda_group_requests_exactly_its_gpu_from_the_engine(run, tmp_path):
     without the NVIDIA toolkit (CI) that fails at start, cleanly, saying what to
     install; with it, the container carries exactly the selected GPU."""
     rt = run(images={"cuda": TEST_IMAGE})
-    workers = {0: WorkerLaunch(0, 0, WorkerDevice("cuda", 0, "cuda"))}
+    workers = {0: LocalWorker(0, WorkerDevice("cuda", 0, "cuda"))}
     if "nvidia" not in (engine().info().get("Runtimes") or {}):
         with pytest.raises(DockerRuntimeError) as err:
             _start(rt, tmp_path, workers, "env")
@@ -477,6 +486,26 @@ def test_images_build_streams_progress_and_fails_clearly_without_a_registry(caps
     assert len(err) == 1 and "base image cannot be pulled" in err[0]
     assert images.main(["gpu"]) == 2
     assert "unknown image 'gpu'" in capsys.readouterr().err
+
+
+def test_workers_are_the_agent_in_its_own_working_directory(run, tmp_path):
+    """The drop-in promise: in a working directory the agent owns (root's, for a
+    root agent), workers run as the agent and write their checkpoints there as
+    local workers would - without gaining anything: no capability, no new
+    privileges, a read-only root file system."""
+    rt = run(hand_over=False)
+    pc, out = _start(rt, tmp_path, {0: _two_groups()[0]}, "checkpoint")
+    try:
+        assert not pc.wait(120, period=0.1).is_failed(), open(pc.stderrs[0]).read()[-2000:]
+    finally:
+        pc.close()
+    info = _read(out, "env", 0)
+    assert (info["uid"], info["gid"]) == (os.getuid(), os.getgid()) and info["cwd"] == str(tmp_path)
+    assert torch.load(tmp_path / "checkpoint.0.pt") == {"step": 1}
+    (c,) = kaitian_containers(run_id=rt.ctx.run_id)
+    host = inspect(c)["HostConfig"]
+    assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
+    assert "no-new-privileges" in host["SecurityOpt"] and host["ReadonlyRootfs"] and not host["Privileged"]
 
 
 def test_root_only_when_asked(run, tmp_path):

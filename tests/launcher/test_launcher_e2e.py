@@ -34,7 +34,8 @@ import torch  # noqa: E402
 TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 # Variables whose values legitimately differ between two launches of the same job.
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "_RUN_DIR_MODE"}
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "_RUN_DIR_MODE",
+              "TORCHELASTIC_TIMER_FILE"}
 
 
 def _kaitianrun():
@@ -122,6 +123,22 @@ def _wait_files(pattern, count, proc, timeout=60):
     pytest.fail(f"timed out waiting for {pattern}")
 
 
+def _terminate_and_time(proc, tmp_path, stop_first_worker: bool = False):
+    """Waits for the two workers' pid files, SIGTERMs kaitianrun (after SIGSTOPping
+    the first worker if asked) and returns the pids and seconds until it exited."""
+    try:
+        pids = [int(open(p).read()) for p in _wait_files(str(tmp_path / "pid.*"), 2, proc)]
+        if stop_first_worker:
+            os.kill(pids[0], signal.SIGSTOP)
+        stop = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        return pids, time.monotonic() - stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # --- torchrun parity -------------------------------------------------------------
 
 
@@ -131,7 +148,8 @@ def _wait_files(pattern, count, proc, timeout=60):
         (["--nproc-per-node", "2", "--max-restarts", "2", "--role", "trainer"], {}),
         (["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
           "--master-port", "29631", "--node-rank", "0", "--rdzv-id", "fixed"], {}),
-        ([], {"PET_NPROC_PER_NODE": "2", "PET_STANDALONE": "1", "PET_MAX_RESTARTS": "1", "PET_ROLE": "pet"}),
+        ([], {"PET_NPROC_PER_NODE": "2", "PET_STANDALONE": "1", "PET_MAX_RESTARTS": "1", "PET_ROLE": "pet",
+              "TORCHELASTIC_ENABLE_FILE_TIMER": "1"}),  # and torch's watchdog: its file reaches the workers
     ],
     ids=["default", "static", "pet-variables"],
 )
@@ -271,17 +289,66 @@ def test_signal_stops_everything(tmp_path, sig, mode):
     assert not _leftovers(proc.pid), "left behind"
 
 
-def test_killed_agent_leftovers_collected(tmp_path):
-    """SIGKILL on the agent leaves workers; the next kaitianrun stops them and cleans up."""
+def test_externally_stopped_worker_stops_within_the_shutdown_timeout(tmp_path):
+    """A worker someone SIGSTOPped cannot act on SIGTERM: the agent sends SIGCONT
+    with it, so it exits at once, not after --shutdown-timeout (5 s) or torch's 30 s
+    (issue 20). torchrun before 2.12 has no --shutdown-timeout: there the 30 s is the bar."""
+    timeout = ["--shutdown-timeout", "5"] if TORCH >= (2, 12) else []
+    proc = subprocess.Popen(
+        [*_kaitianrun(), "--nproc-per-node", "2", *timeout, _script("sleeper.py"), str(tmp_path)],
+        env=_env(KT_TERM_HANDLER="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    pids, took = _terminate_and_time(proc, tmp_path, stop_first_worker=True)
+    assert took < 4, f"teardown took {took:.1f} s"
+    assert not any(_alive(p) for p in pids)
+
+
+def test_children_a_worker_forked_end_with_the_job(tmp_path):
+    """A successful job takes what its workers forked and left running (issue 20)."""
+    proc = _run([*_kaitianrun(), "--nproc-per-node", "2", _script("forker.py"), str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    children = [int(open(p).read()) for p in glob.glob(str(tmp_path / "child.*"))]
+    assert len(children) == 2
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not any(_alive(p) for p in children), "a worker's child outlived the job"
+    finally:
+        for p in children:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_no_torchelastic_dir_left_in_the_temp_dir(tmp_path):
+    """torch's own default log specs (replaced by kaitian's) must not leave an empty
+    torchelastic_* directory behind on every run (issue 20)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _run([*_kaitianrun(), "--nproc-per-node", "1", _script("envdump.py"), str(out)], env=_env(TMPDIR=str(tmp)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [n for n in os.listdir(tmp) if n.startswith("torchelastic_")] == []
+
+
+@pytest.mark.parametrize("mode", ["auto", "signal"])
+def test_killed_agent_takes_its_workers_and_leftovers_are_collected(tmp_path, mode):
+    """SIGKILL on the agent: its workers die with it (issue 20: with the SIGSTOP duty
+    cycle they stayed stopped orphans, otherwise they ran on); the next kaitianrun
+    removes the run directory and cgroups it left."""
     proc = subprocess.Popen(
         [*_kaitianrun(), "--nproc-auto", "--cpu-slots", "2", "--cpu-quota", "1.5",
          _script("sleeper.py"), str(tmp_path)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=_env(KAITIAN_CPU_QUOTA_MODE=mode), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     pids = [int(open(p).read()) for p in _wait_files(str(tmp_path / "pid.*"), 2, proc)]
     proc.kill()
     proc.wait()
-    assert all(_alive(p) for p in pids)
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "workers outlived their agent"
     # any kaitianrun start collects; a bad-input run is enough (it exits right after)
     out = tmp_path / "next"
     out.mkdir()
@@ -494,15 +561,7 @@ def test_shutdown_timeout_escalates_to_sigkill(tmp_path):
         [*_kaitianrun(), "--nproc-per-node", "2", "--shutdown-timeout", "2", _script("stubborn.py"), str(tmp_path)],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    try:
-        pids = [int(open(p).read()) for p in _wait_files(str(tmp_path / "pid.*"), 2, proc)]
-        stop = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        took = time.monotonic() - stop
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    pids, took = _terminate_and_time(proc, tmp_path)
     assert 1.5 < took < 15, f"stopped after {took:.1f} s"
     for pid in pids:
         assert not _alive(pid)

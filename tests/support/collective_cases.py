@@ -53,6 +53,7 @@ FLOATS = ("float32", "float64", "float16", "bfloat16")
 INTS = ("int8", "int16", "int32", "int64", "uint8")
 ALL_DTYPES = FLOATS + INTS + ("bool",)
 REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+LATE_INPUT_S = 0.001  # how late a fake device's input lands (see Ctx.make)
 
 
 def _ops_for(dtype: str) -> tuple:
@@ -81,13 +82,15 @@ class Case:
 class Ctx:
     """Per-rank state shared by the cases."""
 
-    def __init__(self, rank: int, world: int, groups: List[str], dut, ref, fault: Optional[str]):
+    def __init__(self, rank: int, world: int, groups: List[str], dut, ref, fault: Optional[str],
+                 device=None):
         self.rank = rank
         self.world = world
         self.groups = groups  # group name of every rank
         self.dut = dut  # process group under test (None = default group)
-        self.ref = ref  # gloo group over the same ranks
+        self.ref = ref  # gloo group over the same ranks (CPU tensors)
         self.fault = fault
+        self.device = torch.device(device or "cpu")  # where this rank's tensors under test live
         self.case = ""
 
     # -- inputs -----------------------------------------------------------
@@ -97,8 +100,23 @@ class Ctx:
         return g
 
     def make(self, dtype: str, shape, rank: Optional[int] = None, op: str = "SUM", salt: str = ""):
-        """Deterministic input of ``rank`` (default: this rank) for this case."""
-        rank = self.rank if rank is None else rank
+        """Deterministic input of ``rank`` (default: this rank) for this case, on this rank's device.
+
+        On the fake accelerator it lands late: its copy is queued behind a
+        delay on the current stream, so that an op which does not wait for the
+        caller's stream reads garbage.
+        """
+        x = self.make_on_host(dtype, shape, self.rank if rank is None else rank, op, salt)
+        if self.device.type == "cpu":
+            return x
+        from kaitian.testing import fake_accelerator
+
+        if fake_accelerator.installed() == self.device.type:
+            fake_accelerator.sleep(LATE_INPUT_S)
+        return x.pin_memory().to(self.device, non_blocking=True)
+
+    def make_on_host(self, dtype: str, shape, rank: int, op: str = "SUM", salt: str = ""):
+        """The same input as a CPU tensor."""
         g = self.gen(rank, salt)
         dt = getattr(torch, dtype)
         if dtype == "bool":
@@ -140,7 +158,8 @@ _EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "fl
 
 
 def _check(ctx: Ctx, what: str, got, expected, dtype: str, scale: float = 1.0, exact: bool = False) -> None:
-    """Asserts ``got`` matches ``expected`` (same shape; dtype of ``dtype``)."""
+    """Asserts ``got`` matches ``expected`` (same shape; dtype of ``dtype``), compared on the host."""
+    got, expected = got.cpu(), expected.cpu()
     if tuple(got.shape) != tuple(expected.shape):
         raise AssertionError(f"{what}: shape {tuple(got.shape)} != expected {tuple(expected.shape)}")
     if str(got.dtype) != f"torch.{dtype}":
@@ -179,7 +198,8 @@ def _redop(name: str, factor: float = 0.5):
 
 
 def _ref_allreduce(ctx: Ctx, x, op: str):
-    """gloo's all_reduce of ``x`` (on a copy; float64 for arithmetic on floats)."""
+    """gloo's all_reduce of ``x`` (on a host copy; float64 for arithmetic on floats)."""
+    x = x.cpu()
     dtype = str(x.dtype).replace("torch.", "")
     if dtype in FLOATS and op in ("SUM", "AVG", "PRODUCT", "PREMUL_SUM"):
         y = x.double().contiguous().clone()
@@ -201,7 +221,8 @@ def _ref_allreduce(ctx: Ctx, x, op: str):
 
 
 def _ref_allgather(ctx: Ctx, x) -> list:
-    """Every rank's ``x`` through gloo (int16 carried in int32)."""
+    """Every rank's ``x`` through gloo (host copies; int16 carried in int32)."""
+    x = x.cpu()
     carry = x.to(torch.int32) if x.dtype == torch.int16 else x.contiguous()
     out = [torch.empty_like(carry) for _ in range(ctx.world)]
     dist.all_gather(out, carry, group=ctx.ref)
@@ -211,7 +232,7 @@ def _ref_allgather(ctx: Ctx, x) -> list:
 def _scale(ctx: Ctx, dtype: str, shape, op: str) -> float:
     if dtype not in FLOATS:
         return 1.0
-    return max(float(ctx.make(dtype, shape, r, op).double().abs().max()) if _numel(shape) else 0.0
+    return max(float(ctx.make_on_host(dtype, shape, r, op).double().abs().max()) if _numel(shape) else 0.0
                for r in range(ctx.world))
 
 
@@ -280,7 +301,7 @@ def _broadcast_case(dtype: str, src: int, shape=(513,), noncontig: bool = False,
         src_r = src % ctx.world
         x = ctx.make(dtype, shape, rank=src_r)
         # gloo's broadcast of the same data is the reference (int16 carried in int32)
-        ref = x.clone() if ctx.rank == src_r else ctx.make(dtype, shape, salt="junk")
+        ref = (x.clone() if ctx.rank == src_r else ctx.make(dtype, shape, salt="junk")).cpu()
         ref = ref.to(torch.int32) if dtype == "int16" else ref.contiguous()
         dist.broadcast(ref, src_r, group=ctx.ref)
         ref = ref.to(x.dtype)
@@ -353,15 +374,15 @@ def _allgather_case(dtype: str, variant: str, shape=(129,), async_op: bool = Fal
                     raise AssertionError(f"work.get_future() value is not the output list: {fut!r}")
             got = out
         elif variant == "into_tensor":
-            out = torch.empty((ctx.world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype)
+            out = torch.empty((ctx.world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=ctx.device)
             work = dist.all_gather_into_tensor(out, x, group=ctx.dut, async_op=async_op)
             if async_op:
                 work.wait()
             got = list(out.chunk(ctx.world)) if x.numel() else [out[:0]] * ctx.world
         elif variant == "into_tensor_coalesced":
             y = ctx.make(dtype, (7, 3), salt="second")
-            out = torch.empty((ctx.world * x.shape[0],), dtype=x.dtype)
-            out2 = torch.empty((ctx.world * 7, 3), dtype=x.dtype)
+            out = torch.empty((ctx.world * x.shape[0],), dtype=x.dtype, device=ctx.device)
+            out2 = torch.empty((ctx.world * 7, 3), dtype=x.dtype, device=ctx.device)
             with dist._coalescing_manager(group=ctx.dut, async_ops=True) as cm:
                 dist.all_gather_into_tensor(out, x, group=ctx.dut)
                 dist.all_gather_into_tensor(out2, y, group=ctx.dut)
@@ -410,7 +431,7 @@ def _scatter_case(dtype: str, src: int, shape=(65,)):
         t = ctx.make(dtype, shape, salt="junk")
         dist.scatter(t, [c.clone() for c in chunks] if ctx.rank == src_r else None, src=src_r, group=ctx.dut)
         # gloo's scatter of the same chunks is the reference.
-        carry = (lambda c: c.to(torch.int32)) if dtype == "int16" else (lambda c: c.clone())
+        carry = (lambda c: c.to("cpu", torch.int32)) if dtype == "int16" else (lambda c: c.cpu().clone())
         r_out = carry(torch.empty_like(t))
         dist.scatter(r_out, [carry(c) for c in chunks] if ctx.rank == src_r else None, src=src_r, group=ctx.ref)
         ctx.corrupt(t)
@@ -437,7 +458,7 @@ def _reduce_scatter_case(dtype: str, op: str, variant: str, block: int = 33):
         elif variant == "tensor_coalesced":
             full2 = ctx.make(dtype, (ctx.world * 4, 2), op=op, salt="second")
             exp2 = _ref_allreduce(ctx, full2, op)[ctx.rank * 4:(ctx.rank + 1) * 4]
-            out2 = torch.empty((4, 2), dtype=full2.dtype)
+            out2 = torch.empty((4, 2), dtype=full2.dtype, device=ctx.device)
             with dist._coalescing_manager(group=ctx.dut, async_ops=True) as cm:
                 dist.reduce_scatter_tensor(out, full.clone(), op=_redop(op), group=ctx.dut)
                 dist.reduce_scatter_tensor(out2, full2.clone(), op=_redop(op), group=ctx.dut)
@@ -464,7 +485,7 @@ def _alltoall_case(dtype: str, variant: str):
             out = [ctx.make(dtype, (size(s, ctx.rank),), salt="junk") for s in range(w)]
             dist.all_to_all(out, [t.clone() for t in send], group=ctx.dut)
             if variant == "list":
-                carry = (lambda c: c.to(torch.int32)) if dtype == "int16" else (lambda c: c.clone())
+                carry = (lambda c: c.to("cpu", torch.int32)) if dtype == "int16" else (lambda c: c.cpu().clone())
                 ref = [carry(torch.empty_like(o)) for o in out]
                 try:
                     dist.all_to_all(ref, [carry(t) for t in send], group=ctx.ref)
@@ -495,7 +516,7 @@ def _alltoall_case(dtype: str, variant: str):
         even = variant == "single_even"
         dist.all_to_all_single(out, x, None if even else out_splits, None if even else in_splits, group=ctx.dut)
         # reference: the same exchange through gloo
-        carry = (lambda c: c.to(torch.int32)) if dtype == "int16" else (lambda c: c.clone())
+        carry = (lambda c: c.to("cpu", torch.int32)) if dtype == "int16" else (lambda c: c.cpu().clone())
         ref = carry(torch.empty_like(out))
         dist.all_to_all_single(ref, carry(x), None if even else out_splits, None if even else in_splits,
                                group=ctx.ref)
@@ -604,6 +625,8 @@ def _async_mix_case(ctx: Ctx) -> None:
         f.wait()
         if not f.done():
             raise AssertionError(f"future {i} not done after wait")
+    if ctx.device.type != "cpu":  # on a device, wait() orders the caller's stream, not the host
+        getattr(torch, ctx.device.type).synchronize()
     for w in works:
         if not w.is_completed():
             raise AssertionError("work.is_completed() is False after wait")
@@ -612,10 +635,56 @@ def _async_mix_case(ctx: Ctx) -> None:
     _check(ctx, "async all_reduce int64 MAX", b, exp_b, "int64", exact=True)
     _check(ctx, "async broadcast bfloat16", c, src_c, "bfloat16", exact=True)
     # a callback chained on the future sees the result
-    t = ctx.make("float64", (10,))
+    t = ctx.make("float32", (10,))
     exp = _ref_allreduce(ctx, t, "SUM")
     fut = dist.all_reduce(t, group=ctx.dut, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
-    _check(ctx, "future.then() value", fut.wait(), exp * 2, "float64", _scale(ctx, "float64", (10,), "SUM"))
+    _check(ctx, "future.then() value", fut.wait(), exp * 2, "float32", 2 * _scale(ctx, "float32", (10,), "SUM"))
+
+
+def _stream_order_case(ctx: Ctx) -> None:
+    """Fake-device ranks: an async op's result is ordered on the caller's stream, not the host.
+
+    The fake accelerator runs each stream on its own thread: until the caller
+    waits, neither the host nor another stream sees the result (the missing
+    wait gives a wrong answer); after ``work.wait()`` the caller's stream does,
+    a stream that waits for it does, and so does the work's future.
+    """
+    x = ctx.make("float32", (4096,))
+    expected = _ref_allreduce(ctx, x, "SUM")
+    scale = _scale(ctx, "float32", (4096,), "SUM")
+    if ctx.device.type == "cpu":  # a CPU rank only takes part
+        dist.all_reduce(x.clone(), group=ctx.dut)
+        return
+    from kaitian.testing import fake_accelerator
+
+    mod = getattr(torch, ctx.device.type)
+    t = torch.zeros_like(x)
+    side = mod.Stream()
+    t * 1  # warm the op up: a first call may import more of torch than the delay lasts
+    mod.synchronize()
+    fake_accelerator.sleep(1.0)  # longer than the host needs to reach the checks, even under load
+    t.copy_(x)  # lands after the delay, and so does the op's result
+    work = dist.all_reduce(t, group=ctx.dut, async_op=True)
+    done_early = work.is_completed()
+    early_host = fake_accelerator.host_alias(t).clone()
+    with mod.stream(side):
+        early = t * 1  # no wait: reads t as it is now
+    work.wait()
+    side.wait_stream(mod.current_stream())
+    with mod.stream(side):
+        late = t * 1
+    from_future = work.get_future().wait()[0]
+    side.synchronize()
+    mod.synchronize()
+    if done_early or not work.is_completed():
+        raise AssertionError(f"work.is_completed() was {done_early} before its stream got there and "
+                             f"{work.is_completed()} after synchronize()")
+    if torch.equal(early_host, expected) or torch.equal(early.cpu(), expected):
+        raise AssertionError("a read without work.wait() saw the result: the missing wait went unpunished")
+    ctx.corrupt(t)
+    _check(ctx, "after work.wait(), on the caller's stream", t, expected, "float32", scale)
+    _check(ctx, "after work.wait(), on a stream that waits for the caller's", late, expected, "float32", scale)
+    _check(ctx, "the work's future", from_future, expected, "float32", scale)
 
 
 def _subgroup_case(kind: str):
@@ -634,16 +703,16 @@ def _subgroup_case(kind: str):
         x = ctx.make("float32", (300,))
         t = x.clone()
         dist.all_reduce(t, group=sub)
-        e = x.clone()
+        e = x.cpu()
         dist.all_reduce(e, group=ref_sub)
         ctx.corrupt(t)
         _check(ctx, f"subgroup {ranks} all_reduce", t, e, "float32", _scale(ctx, "float32", (300,), "SUM"))
-        out = [torch.empty(5, dtype=torch.int64) for _ in ranks]
-        dist.all_gather(out, torch.full((5,), ctx.rank, dtype=torch.int64), group=sub)
+        out = [torch.empty(5, dtype=torch.int64, device=ctx.device) for _ in ranks]
+        dist.all_gather(out, torch.full((5,), ctx.rank, dtype=torch.int64, device=ctx.device), group=sub)
         for i, r in enumerate(ranks):
             _check(ctx, f"subgroup {ranks} all_gather block {i}", out[i], torch.full((5,), r, dtype=torch.int64),
                    "int64", exact=True)
-        b = torch.full((9,), float(ctx.rank))
+        b = torch.full((9,), float(ctx.rank), device=ctx.device)
         dist.broadcast(b, ranks[-1], group=sub)
         _check(ctx, f"subgroup {ranks} broadcast from {ranks[-1]}", b, torch.full((9,), float(ranks[-1])),
                "float32", exact=True)
@@ -651,8 +720,9 @@ def _subgroup_case(kind: str):
     return fn
 
 
-def build_cases(world: int) -> List[Case]:
-    """The matrix for a world of ``world`` ranks, in execution order."""
+def build_cases(world: int, fake_device: bool = False) -> List[Case]:
+    """The matrix for a world of ``world`` ranks, in execution order (``fake_device``:
+    some ranks are on the fake accelerator)."""
     cases: List[Case] = []
 
     def add(name: str, fn, core: bool = False) -> None:
@@ -756,6 +826,8 @@ def build_cases(world: int) -> List[Case]:
             add(f"batch_isend_irecv-{dtype}", _sendrecv_case(dtype, "batch"), core=dtype == "float32")
         add("recv_anysource-float32", _sendrecv_case("float32", "anysource"), core=True)
     add("async-mixed-in-flight", _async_mix_case, core=True)
+    if fake_device:
+        add("stream-order", _stream_order_case, core=True)
     add("subgroup-cross", _subgroup_case("cross"), core=True)
     add("subgroup-same-group", _subgroup_case("same"))
 
@@ -764,6 +836,6 @@ def build_cases(world: int) -> List[Case]:
     return cases
 
 
-def case_names(world: int, core_only: bool = False) -> List[str]:
+def case_names(world: int, core_only: bool = False, fake_device: bool = False) -> List[str]:
     """Names of the cases run for a world of ``world`` ranks."""
-    return [c.name for c in build_cases(world) if c.core or not core_only]
+    return [c.name for c in build_cases(world, fake_device) if c.core or not core_only]

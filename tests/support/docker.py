@@ -4,9 +4,10 @@ built CPU test image, and a working directory owned by the workers' user.
 CI starts the engine through scripts/docker-engine.sh (`make test`); a missing
 engine fails these tests, it never skips them.
 
-Workers run as a non-root user. A root agent (CI) runs them as the owner of
-the working directory, so the tests hand their directories to ``WORKER_UID``
-(``own``); a non-root agent runs them as itself, and ``own`` does nothing.
+Workers run as the agent, except that a root agent (CI) in a user's directory
+runs them as its owner: most tests hand their directories to ``WORKER_UID``
+(``own``) to prove that path; a non-root agent runs them as itself, and
+``own`` does nothing.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Shared by the collective-matrix and DDP tests: a *layout* such as ``"2+1"``
 means two ranks in group ``cpu0`` and one in ``cpu1``; every rank gets the
 environment ``kaitianrun --cpu-groups`` would give it (``KAITIAN_GROUP``,
-``KAITIAN_DEVICE_TYPE``, ``KAITIAN_RUN_DIR``) plus any extra variables.
+``KAITIAN_DEVICE_TYPE``, ``KAITIAN_RUN_DIR``) plus any extra variables. A
+group may be of fake MLUs instead (``devices``): its ranks get ``mlu:0``,
+``mlu:1``, … of the fake accelerator (``KAITIAN_FAKE_ACCELERATOR``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Dict, List, Optional, Sequence
 
 __all__ = ["Layout", "RankRun", "run_ranks", "free_port", "shm_segments"]
 
+from kaitian.devices.device import WorkerDevice
+from kaitian.settings import Settings
 from support import REPO, TESTS
 
 
@@ -34,19 +38,49 @@ class Layout:
         kaitian_env: give ranks the ``KAITIAN_*`` variables kaitianrun sets;
             ``False`` is the plain-torchrun case (group = device type).
         core_only: run only the reduced matrix (transport variants).
+        devices: device type of each group, ``cpu`` (default) or ``mlu``: a
+            group of fake MLUs, one per rank (named ``mlu``; the CPU groups
+            keep ``cpu0``, ``cpu1``, … in order).
     """
 
     spec: str
     env: tuple = ()
     kaitian_env: bool = True
     core_only: bool = False
+    devices: tuple = ()
+
+    def _group_specs(self) -> List[tuple]:
+        """(ranks, device type) of each group."""
+        sizes = [int(n) for n in self.spec.split("+")]
+        return list(zip(sizes, self.devices or ("cpu",) * len(sizes)))
 
     @property
     def groups(self) -> List[str]:
         out: List[str] = []
-        for i, n in enumerate(self.spec.split("+")):
-            out += [f"cpu{i}" if self.kaitian_env else "cpu"] * int(n)
+        cpu_groups = 0
+        for n, dev in self._group_specs():
+            if dev == "cpu":
+                out += [f"cpu{cpu_groups}" if self.kaitian_env else "cpu"] * n
+                cpu_groups += 1
+            else:
+                out += [dev] * n
         return out
+
+    @property
+    def rank_devices(self) -> List[tuple]:
+        """(device type, index) of every rank: CPU ranks are slot ``rank``, MLUs count from 0."""
+        out: List[tuple] = []
+        mlus = 0
+        for n, dev in self._group_specs():
+            for _ in range(n):
+                out.append(("cpu", len(out)) if dev == "cpu" else (dev, mlus))
+                mlus += dev != "cpu"
+        return out
+
+    @property
+    def fake_mlus(self) -> int:
+        """Ranks on fake MLUs (each rank's process installs that many)."""
+        return sum(1 for kind, _ in self.rank_devices if kind == "mlu")
 
     @property
     def world_size(self) -> int:
@@ -57,7 +91,8 @@ class Layout:
         parts = [f"{k.replace('KAITIAN_', '').lower()}={v}" for k, v in self.env]
         if not self.kaitian_env:
             parts.append("torchrun-env")
-        return self.spec + (f"[{','.join(parts)}]" if parts else "")
+        spec = "+".join(f"{n}{dev}" for n, dev in self._group_specs()) if self.devices else self.spec
+        return spec + (f"[{','.join(parts)}]" if parts else "")
 
 
 @dataclass
@@ -121,9 +156,13 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
             del env[key]
         env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, TESTS, env.get("PYTHONPATH")])),
                     "KT_MATRIX_MARKERS": os.path.join(workdir, "markers"), "PYTHONUNBUFFERED": "1"})
-        if layout.kaitian_env:
-            env.update({"KAITIAN_GROUP": group, "KAITIAN_DEVICE_TYPE": "cpu",
-                        "KAITIAN_DEVICE_INDEX": str(rank), "KAITIAN_RUN_DIR": run_dir})
+        fake = ("mlu", layout.fake_mlus) if layout.fake_mlus else None
+        if layout.kaitian_env:  # what kaitianrun gives the rank
+            kaitian = Settings.for_device(WorkerDevice(*layout.rank_devices[rank], group), run_dir=run_dir,
+                                          fake_accelerator=fake)
+        else:
+            kaitian = Settings(fake_accelerator=fake)
+        env.update(kaitian.to_env())
         # torchrun's worker environment (the workers' convention: support/worker_env.py)
         env.update({"RANK": str(rank), "WORLD_SIZE": str(len(groups)), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(len(groups)), "MASTER_ADDR": "127.0.0.1",

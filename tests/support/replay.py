@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from support import REPO
 
-__all__ = ["examples_common", "replay_weights", "logged_batches", "max_difference"]
+__all__ = ["examples_common", "replay_weights", "train_on_steps", "logged_batches", "max_difference"]
 
 
 def examples_common():
@@ -28,13 +28,20 @@ def examples_common():
     return module
 
 
-def replay_weights(log_dir: str, world: int, lr: float, momentum: float = 0.0) -> List[List[float]]:
-    """The weights after SGD on the union of the ranks' logged batches, step by step."""
+def replay_weights(log_dir: str, world: int, lr: float, momentum: float = 0.0,
+                   lightning_window=None) -> List[List[float]]:
+    """The weights after SGD on the union of the ranks' logged batches, step by step.
+
+    ``lightning_window=(micro_batch, accumulate)``: each step is what Lightning's
+    ``accumulate_grad_batches`` gives in one process on global micro-batches of
+    ``micro_batch`` samples: every micro-batch loss divided by ``accumulate``,
+    so a short last window of m micro-batches is the window mean times m / accumulate.
+    """
     common = examples_common()
     x, y, _ = common.make_dataset().tensors
     logs = logged_batches(log_dir, world)
     assert len({len(log) for log in logs}) == 1, [len(log) for log in logs]
-    return _train(logs, x, y, common.make_model(), lr, momentum)
+    return train_on_steps(logs, x, y, common.make_model(), lr, momentum, lightning_window)
 
 
 def logged_batches(log_dir: str, world: int) -> List[List[List[int]]]:
@@ -46,12 +53,18 @@ def logged_batches(log_dir: str, world: int) -> List[List[List[int]]]:
     return logs
 
 
-def _train(logs, x, y, model, lr, momentum):
+def train_on_steps(logs, x, y, model, lr, momentum=0.0, lightning_window=None):
+    """SGD on each step's union of the ranks' batches (``logs``: per rank, per step)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in zip(*logs):
         union = [i for part in step for i in part]
+        scale = 1.0
+        if lightning_window is not None:
+            micro_batch, accumulate = lightning_window
+            assert len(union) % micro_batch == 0, (len(union), micro_batch)
+            scale = len(union) // micro_batch / accumulate
         opt.zero_grad()
-        F.mse_loss(model(x[union]), y[union]).backward()
+        (F.mse_loss(model(x[union]), y[union]) * scale).backward()
         opt.step()
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kaitian.training.capability import CapabilityConfigError, load_capabilities
-from kaitian.launcher.monitor import AgentMonitor
-from kaitian.training.steps import StepRecorder
+from kaitian.monitor.agent import AgentMonitor
+from kaitian.monitor.records import StepRecorder
 from kaitian.training.ddp import StepTiming
 
 from support import REPO as ROOT

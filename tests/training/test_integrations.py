@@ -1,8 +1,10 @@
-"""Lightning, Accelerate and the HF Trainer with kaitian: the examples under kaitianrun.
+"""Lightning, Accelerate and the HF Trainer with kaitian under kaitianrun.
 
-Each example runs with 2 ranks in 2 simulated vendor groups (backend kaitian)
-on an unequal 3:1 split and logs every rank's batches; one process then trains
-on the same global batches, and the weights must agree (fp64, 1e-9).
+The examples, and scripts written as each trainer's users write them
+(trainer_scripts/), run with 2 ranks in 2 simulated vendor groups of different
+speed (backend kaitian) on a 3:1 split and log every rank's batches per
+optimizer step; one process then trains on the same global batches, and the
+weights must agree (fp64, 1e-9).
 """
 
 import json
@@ -12,18 +14,32 @@ import sys
 
 import pytest
 
+from kaitian.training.capability import write_config
 from support import REPO, repo_env
 from support.replay import logged_batches, max_difference, replay_weights
 
 
-def _run_example(tmp_path, script, *args, timeout=240):
+EXAMPLES = os.path.join(REPO, "examples")
+USER_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts")
+
+
+def _run_example(tmp_path, script, *args, timeout=240, folder=EXAMPLES):
+    """Two ranks in two groups, the second at a fifth of a core's speed."""
     logs = tmp_path / "batches"
     logs.mkdir()
     weights = tmp_path / "weights.json"
     cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--nproc-per-node", "2", "--cpu-groups", "2",
-           os.path.join(REPO, "examples", script), "--capabilities", "3,1",
+           "--cpu-quota", "1,0.2", os.path.join(folder, script), "--capabilities", "3,1",
            "--log-batches", str(logs), "--save", str(weights), *args]
-    proc = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    env = repo_env()
+    env["PYTHONPATH"] = os.pathsep.join([EXAMPLES, env["PYTHONPATH"]])  # the scripts' `common`
+    # a `kaitian init` config: the scripts that pass no capabilities start from a 3:1 split too
+    config = tmp_path / "config.toml"
+    write_config({"version": 1, "devices": {
+        f"cpu:{g}": {"vendor": "cpu", "index": g, "name": f"slot {g}", "capability": c}
+        for g, c in ((0, 3000.0), (1, 1000.0))}}, str(config))
+    env["KAITIAN_CONFIG"] = str(config)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     sizes = [[len(json.loads(line)) for line in (logs / f"rank-{r}.jsonl").read_text().splitlines()]
@@ -38,15 +54,6 @@ def test_lightning_strategy_matches_one_process(tmp_path):
     assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
 
 
-def test_lightning_gradient_accumulation_matches_one_process(tmp_path):
-    """accumulate_grad_batches=3: each optimizer step is the exact mean over its
-    window's samples on every rank (15 micro-batches an epoch: no partial window)."""
-    pytest.importorskip("lightning")
-    trained, logs, _ = _run_example(tmp_path, "lightning_train.py", "--accumulate", "3")
-    assert [len(steps) for steps in logged_batches(logs, 2)] == [10, 10]  # 2 epochs x 5 windows
-    assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
-
-
 def test_accelerate_matches_one_process(tmp_path):
     pytest.importorskip("accelerate")
     trained, logs, _ = _run_example(tmp_path, "accelerate_train.py")
@@ -57,3 +64,123 @@ def test_hf_trainer_matches_one_process(tmp_path):
     pytest.importorskip("transformers")
     trained, logs, _ = _run_example(tmp_path, "hf_trainer_train.py")
     assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
+
+
+def _every_sample_once_per_epoch(logs, epochs=2, n=480):
+    seen = sorted(i for rank in logged_batches(logs, 2) for step in rank for i in step)
+    assert seen == sorted(list(range(n)) * epochs)
+
+
+def test_accelerate_accumulation_steps_at_the_loader_end_with_the_window_mean(tmp_path):
+    """A user's accumulate() loop with total= over 15 micro-batches an epoch: the steps
+    stock Accelerate takes (7 windows of 2, one of 1, per epoch) and each the window mean;
+    gather_for_metrics on kaitian's own loader (uneven batches, a padded last step) and
+    on a loader Accelerate shards gives every sample once, as without kaitian."""
+    pytest.importorskip("accelerate")
+    trained, logs, out = _run_example(tmp_path, "accelerate_accumulate.py", folder=USER_SCRIPTS)
+    for line in ("epoch 0 gathered each sample once: True", "epoch 1 gathered each sample once: True",
+                 "evaluated each sample once: True", "padded loader gathered each sample once: True"):
+        assert line in out, out[-3000:]
+    steps = logged_batches(logs, 2)
+    assert [len(rank) for rank in steps] == [16, 16]
+    assert [len(step) for step in steps[0][:8]] == [48] * 7 + [24]  # rank 0: 24 of 32 a micro-batch
+    _every_sample_once_per_epoch(logs)
+    assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
+
+
+@pytest.mark.parametrize("package, accumulate", [("lightning", 1), ("pytorch_lightning", 5)])
+def test_lightning_plain_dataloader_is_sharded_by_kaitian(tmp_path, package, accumulate):
+    """DataLoader(ds, batch_size=20, shuffle=True), devices="auto": kaitian's sampler is
+    injected (12 micro-batches of 40 an epoch, every sample once), re-balanced to the slow
+    rank. accumulate_grad_batches=5: windows of 5, 5 and a short last one of 2, each the
+    step Lightning takes in one process (every micro-batch loss divided by 5)."""
+    pytest.importorskip(package)
+    trained, logs, _ = _run_example(tmp_path, "lightning_plain_loader.py", "--package", package,
+                                    "--batch-size", "20", "--accumulate", str(accumulate), folder=USER_SCRIPTS)
+    steps = logged_batches(logs, 2)
+    windows = [min(accumulate, 12 - start) for start in range(0, 12, accumulate)] * 2
+    assert [len(a) + len(b) for a, b in zip(*steps)] == [40 * w for w in windows]
+    _every_sample_once_per_epoch(logs)
+    replay = replay_weights(logs, 2, lr=0.1, lightning_window=(40, accumulate))
+    assert max_difference(trained, replay) < 1e-9
+
+
+def test_hf_trainer_accumulation_max_steps_and_resume_on_backend_kaitian(tmp_path):
+    """TrainingArguments built before KaitianTrainer; gradient_accumulation_steps=2, max_steps
+    4, then resumed from its checkpoint to 10: the steps the Trainer takes in one process."""
+    pytest.importorskip("transformers")
+    trained, logs, out = _run_example(tmp_path, "hf_accumulate_resume.py", folder=USER_SCRIPTS)
+    assert out.count("backend kaitian") == 4, [line for line in out.splitlines() if "backend" in line]
+    steps = logged_batches(logs, 2)
+    assert [len(step[0]) + len(step[1]) for step in zip(*steps)] == [64] * 7 + [32] + [64] * 2
+    seen = sorted(i for rank in steps for step in rank[:8] for i in step)
+    assert seen == list(range(480))  # the first epoch: every sample once, resume included
+    assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
+
+
+def test_lightning_refuses_a_loader_whose_batches_kaitian_cannot_draw():
+    pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader, WeightedRandomSampler
+
+    from kaitian.errors import TrainingError
+    from kaitian.lightning import _with_kaitian_sampler
+
+    loader = DataLoader(list(range(8)), batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.raises(TrainingError, match="sampler WeightedRandomSampler decides its batches.*batch_size=B"):
+        _with_kaitian_sampler(loader, seed=0)
+
+
+def test_accelerate_refuses_split_batches_for_kaitian_loader():
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+
+    import kaitian
+    from kaitian.accelerate import Accelerator
+    from kaitian.errors import TrainingError
+
+    data = list(range(8))
+    loader = DataLoader(data, batch_sampler=kaitian.DistributedSampler(data, batch_size=4).batch_sampler())
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))
+    with pytest.raises(TrainingError, match="split_batches=True would cut kaitian's per-rank batches"):
+        accelerator.prepare(loader)
+
+
+def test_lightning_window_replay_is_lightning_in_one_process():
+    """The replay the Lightning runs are held to: with accumulate_grad_batches=5 over 12
+    micro-batches of 40 (a short last window of 2), one-process Lightning gives exactly
+    it, and not the window mean."""
+    L = pytest.importorskip("pytorch_lightning")
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from support.replay import examples_common, train_on_steps
+
+    common = examples_common()
+    dataset = common.make_dataset()
+    perm = torch.randperm(480, generator=torch.Generator().manual_seed(7)).tolist()
+    batches = [perm[i:i + 40] for i in range(0, 480, 40)]
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = common.make_model()
+
+        def training_step(self, batch, batch_idx):
+            x, y, _ = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Regressor()
+    L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_epochs=2, accumulate_grad_batches=5,
+              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(module, DataLoader(dataset, batch_sampler=batches))
+    lightning = [p.detach().reshape(-1).tolist() for p in module.net.parameters()]
+    steps = [[sum(batches[start:start + 5], []) for _ in range(2) for start in range(0, 12, 5)]]
+    x, y, _ = dataset.tensors
+    replay = train_on_steps(steps, x, y, common.make_model(), 0.1, 0.0, lightning_window=(40, 5))
+    assert max_difference(lightning, replay) < 1e-9
+    assert max_difference(lightning, train_on_steps(steps, x, y, common.make_model(), 0.1, 0.0)) > 1e-3

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kaitian.training.rebalance import plan_split
-from kaitian.training.sampler import SplitError
+from kaitian.training.split import plan_split
+from kaitian.errors import SplitError
 
 
 def _compute_times(split, per_sample, overhead):

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kaitian
-from kaitian.training.sampler import DistributedSampler, SplitError, proportional_split
+from kaitian.errors import TrainingError
+from kaitian.training.sampler import DistributedSampler, SplitError
+from kaitian.training.split import proportional_split
 
 caps_strategy = st.lists(
     st.floats(min_value=0.05, max_value=50.0, allow_nan=False), min_size=1, max_size=6
@@ -165,10 +167,9 @@ def test_proportional_split_caps_and_errors():
         proportional_split(2, [1, 1, 1])
 
 
-def test_optimize_batch_size_follows_the_last_sampler():
-    s = DistributedSampler(range(100), batch_size=16, num_replicas=2, rank=1, capabilities=[3.0, 1.0])
-    assert kaitian.optimize_batch_size(16) == s.local_batch_size == 8
-    assert kaitian.optimize_batch_size(7) == 7  # no process group, no sampler for 7
+def test_optimize_batch_size_without_a_process_group_is_the_batch():
+    # with one: the sampler's share from the same capabilities (tests/workers/exact_grad.py)
+    assert kaitian.optimize_batch_size(16) == 16
 
 
 def test_rank_out_of_range():
@@ -187,15 +188,29 @@ def test_is_a_torch_distributed_sampler_with_a_batch_sampler():
     assert DistributedSampler(range(100), num_replicas=2, rank=0).batch_size == 32  # the default
 
 
-def test_a_dataloader_batch_size_that_does_not_match_is_caught_at_the_first_step():
+def test_a_dataloader_whose_batches_cut_the_steps_is_named():
+    """The rule kaitian's DDP and scale_loss apply to each step's exchanged ``yielded``
+    (end to end, refused at the first step: tests/workers/weighting_cases.py)."""
     import torch.utils.data as tud
 
-    s = DistributedSampler(range(100), num_replicas=2, rank=0, batch_size=8, capabilities=[3.0, 1.0])
-    with pytest.raises(SplitError, match=r"batch_size=8, sampler=kaitian sampler.*gives this rank 12 .*"
-                                          r"batch_sampler=sampler.batch_sampler\(\)"):
+    samplers = _ranks(100, 8, [3.0, 1.0])  # split [12, 4]
+    for s in samplers:
         next(iter(tud.DataLoader(range(100), batch_size=8, sampler=s)))
-    batches = [b.tolist() for b in tud.DataLoader(range(100), batch_size=s.local_batch_size, sampler=s)]
-    assert batches == list(s.epoch_batches())
+    assert [s.yielded for s in samplers] == [8, 8]
+    with pytest.raises(TrainingError, match=r"^rank 0's DataLoader has taken 8 samples, not whole steps of 12 "
+                                            r"\(kaitian's split \[12, 4\]\).*batch_sampler=sampler.batch_sampler\(\)"):
+        samplers[1].check_yielded([8, 8])
+    for s in samplers:
+        s.set_epoch(1)
+    loaders = [tud.DataLoader(range(100), batch_size=s.local_batch_size, sampler=s) for s in samplers]
+    steps = 0
+    for batches in zip(*loaders):  # whole steps at every step, the short last one too
+        samplers[0].check_yielded([s.yielded for s in samplers])
+        steps += 1
+    assert steps == samplers[0].num_steps and [s.yielded for s in samplers] == [len(s) for s in samplers]
+    batches = [b.tolist() for b in tud.DataLoader(range(100), batch_size=samplers[0].local_batch_size,
+                                                  sampler=samplers[0])]
+    assert batches == list(samplers[0].epoch_batches()) and samplers[0].yielded == 0
 
 
 def test_state_dict_resumes_mid_epoch_without_repeats_or_gaps():

@@ -63,7 +63,7 @@ def test_join(results):
         assert rank[("join", "torch")]["worst"] < 1e-9
 
 
-def test_ranks_at_different_steps_are_named_and_batchnorm_gets_two():
+def test_ranks_at_different_steps_and_a_wrong_loader_are_named_and_batchnorm_gets_two():
     run = run_ranks(Layout("1+1"), [worker("weighting_cases"), "--cases", "hardening"], timeout=120)
     try:
         assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
@@ -78,5 +78,11 @@ def test_ranks_at_different_steps_are_named_and_batchnorm_gets_two():
                 assert r[mode].startswith("ranks are at different steps (rank 0 at epoch 0 step 2, "
                                           "rank 1 at epoch 1 step 0)"), r[mode]
                 assert "batch_sampler=sampler.batch_sampler()" in r[mode]
+                # refused at the first step, on every rank
+                assert r[f"loader {mode} steps"] == 0
+                assert r[f"loader {mode}"].startswith(
+                    "rank 0's DataLoader has taken 8 samples, not whole steps of 14 (kaitian's split [14, 2]): "
+                    "a DataLoader's batch_size must be its rank's share"), r[f"loader {mode}"]
+                assert "batch_sampler=sampler.batch_sampler()" in r[f"loader {mode}"]
     finally:
         cleanup(run)

@@ -15,15 +15,15 @@ import pytest
 pynvml = pytest.importorskip("pynvml")  # nvidia-ml-py, a dependency
 
 from kaitian.devices import inventory  # noqa: E402
-from kaitian.devices.container import container_devices  # noqa: E402
 from kaitian.devices.device import Device, WorkerDevice  # noqa: E402
 from kaitian.devices.rank import rank_device  # noqa: E402
 from kaitian.devices.select import select  # noqa: E402
-from kaitian.devices.utilisation import device_utilisation  # noqa: E402
+from kaitian.devices.vendors import utilisation, vendor  # noqa: E402
 from kaitian.devices.vendors import cambricon, nvidia  # noqa: E402
 from kaitian.devices.visible import torch_ordinal  # noqa: E402
 from kaitian.errors import DeviceSelectionError  # noqa: E402
-from kaitian.launcher.plan import plan_workers  # noqa: E402
+from kaitian.launcher.plan import NodePlan, plan_node  # noqa: E402
+from kaitian.settings import Settings  # noqa: E402
 
 # (name, memory.total bytes, bus id as NVML prints it, max PCIe gen, width, uuid)
 H100_SXM = [
@@ -96,7 +96,8 @@ def no_tools(tmp_path, monkeypatch):
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    for var in ("CUDA_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "USE_CUDA", "USE_MLU", "USE_CPU"):
+    for var in ("CUDA_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "USE_CUDA", "USE_MLU", "USE_CPU",
+                "KAITIAN_FAKE_ACCELERATOR"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(cambricon, "DEV_ROOT", str(tmp_path / "no-dev"))
     for module in (nvidia, cambricon):
@@ -177,7 +178,7 @@ def test_without_the_binding_nvidia_smi_answers(monkeypatch, no_tools, tmp_path)
 
 def test_utilisation_comes_from_nvml(monkeypatch, no_tools):
     use_nvml(monkeypatch, RTX_4090, util={0: 37, 1: 99})
-    assert device_utilisation(["cuda", "cpu"]) == {"cuda:0": 37.0, "cuda:1": 99.0}
+    assert utilisation(["cuda", "cpu"]) == {"cuda:0": 37.0, "cuda:1": 99.0}
 
 
 # --- Cambricon ------------------------------------------------------------------------
@@ -222,6 +223,20 @@ def test_mlu_device_nodes_then_sysfs(no_tools, tmp_path):
     assert (d.key, d.bus_id, d.source) == ("mlu:0", "0000:3d:00.0", "sysfs")
 
 
+def test_fake_mlus_stand_in_for_the_hardware_unless_torch_mlu_is_real(no_tools, tmp_path, monkeypatch):
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "cambricon_dev5").touch()
+    monkeypatch.setenv("KAITIAN_FAKE_ACCELERATOR", "mlu:3")
+    found = cambricon.probe(dev_root=str(dev))
+    assert [(d.key, d.name, d.source) for d in found] == [
+        (f"mlu:{i}", "fake MLU", "KAITIAN_FAKE_ACCELERATOR") for i in range(3)]
+    monkeypatch.setenv("MLU_VISIBLE_DEVICES", "2,0")
+    assert [d.key for d in inventory.discover() if d.type == "mlu"] == ["mlu:2", "mlu:0"]
+    monkeypatch.setattr(cambricon, "_real_torch_mlu", lambda: True)
+    assert [d.key for d in cambricon.probe(dev_root=str(dev))] == ["mlu:5"]
+
+
 # --- visibility and selection ------------------------------------------------------------
 
 
@@ -242,22 +257,22 @@ def test_host_cuda_visible_devices_keeps_physical_indices(monkeypatch, no_tools)
 
 def test_plan_for_use_cuda_1_3_carries_physical_index_and_uuid(monkeypatch, no_tools):
     use_nvml(monkeypatch, H100_SXM[:4])
-    plans = plan_workers(nproc_auto=True, nproc_per_node=None, env={"USE_CUDA": "1,3"})
-    assert [(p.device.key, p.device.uuid) for p in plans] == [
+    workers = plan_node(nproc_auto=True, nproc_per_node=None, env={"USE_CUDA": "1,3"}).workers
+    assert [(w.device.key, w.device.uuid) for w in workers] == [
         ("cuda:1", H100_SXM[1][5]), ("cuda:3", H100_SXM[3][5])]
-    assert plans[1].device.to_env() == {"KAITIAN_DEVICE_TYPE": "cuda", "KAITIAN_DEVICE_INDEX": "3",
-                                        "KAITIAN_DEVICE_UUID": H100_SXM[3][5]}
+    assert Settings.for_device(workers[1].device).to_env() == {
+        "KAITIAN_DEVICE_TYPE": "cuda", "KAITIAN_DEVICE_INDEX": "3", "KAITIAN_DEVICE_UUID": H100_SXM[3][5]}
 
 
 def test_plan_under_host_cuda_visible_devices_2_3(monkeypatch, no_tools):
     use_nvml(monkeypatch, H100_SXM[:4])
     env = {"CUDA_VISIBLE_DEVICES": "2,3"}
-    plans = plan_workers(nproc_auto=True, nproc_per_node=None, env=env)
-    assert [(p.device.index, p.device.uuid) for p in plans] == [(2, H100_SXM[2][5]), (3, H100_SXM[3][5])]
+    workers = plan_node(nproc_auto=True, nproc_per_node=None, env=env).workers
+    assert [(w.device.index, w.device.uuid) for w in workers] == [(2, H100_SXM[2][5]), (3, H100_SXM[3][5])]
     # a local worker inherits CUDA_VISIBLE_DEVICES=2,3: torch's cuda:0 is GPU 2
-    assert [torch_ordinal(p.device, "CUDA_VISIBLE_DEVICES", env) for p in plans] == [0, 1]
+    assert [torch_ordinal(w.device, "CUDA_VISIBLE_DEVICES", env) for w in workers] == [0, 1]
     with pytest.raises(DeviceSelectionError, match="no such device 0"):
-        plan_workers(nproc_auto=True, nproc_per_node=None, env={**env, "USE_CUDA": "0"})
+        plan_node(nproc_auto=True, nproc_per_node=None, env={**env, "USE_CUDA": "0"})
 
 
 def test_a_request_that_matches_nothing_is_an_error():
@@ -288,56 +303,60 @@ def test_torch_ordinal_rules():
 
 def test_cuda_container_requests_gpus_by_uuid_and_the_worker_finds_its_own():
     devices = [WorkerDevice("cuda", 3, uuid="GPU-3"), WorkerDevice("cuda", 1, uuid="GPU-1")]
-    seen = container_devices("cuda", devices)
+    seen = vendor("cuda").container_devices(devices)
     assert seen.device_requests == ({"driver": "nvidia", "device_ids": ["GPU-1", "GPU-3"],
                                      "capabilities": [["gpu"]]},)
-    assert seen.env == {"CUDA_VISIBLE_DEVICES": "GPU-1,GPU-3", "KAITIAN_VISIBLE_INDICES": "1,3"}
-    assert dict(seen.index_map) == {1: 0, 3: 1}
+    assert seen.env == {"CUDA_VISIBLE_DEVICES": "GPU-1,GPU-3"}
+    assert dict(seen.index_map) == {1: 0, 3: 1} and seen.visible_indices == (1, 3)
     assert torch_ordinal(devices[0], "CUDA_VISIBLE_DEVICES", seen.env) == 1
-    by_index = container_devices("cuda", [WorkerDevice("cuda", 2)])
+    by_index = vendor("cuda").container_devices([WorkerDevice("cuda", 2)])
     assert by_index.device_requests[0]["device_ids"] == ["2"]
     assert by_index.env["CUDA_VISIBLE_DEVICES"] == "0" and by_index.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert container_devices("cpu", [WorkerDevice("cpu", 0)]).device_requests == ()
+    assert vendor("cpu").container_devices([WorkerDevice("cpu", 0)]).device_requests == ()
 
 
 def test_mlu_container_gets_its_nodes_and_renumbered_visibility():
     present = ["/dev/cambricon_ctl", "/dev/cambricon_dev1", "/dev/cambricon_dev3", "/dev/cambricon_ipcm3"]
-    seen = container_devices("mlu", [WorkerDevice("mlu", 3), WorkerDevice("mlu", 1)], present)
+    seen = vendor("mlu").container_devices([WorkerDevice("mlu", 3), WorkerDevice("mlu", 1)], present)
     assert seen.device_nodes == ("/dev/cambricon_ctl:/dev/cambricon_ctl:rwm",
                                  "/dev/cambricon_dev1:/dev/cambricon_dev1:rwm",
                                  "/dev/cambricon_dev3:/dev/cambricon_dev3:rwm",
                                  "/dev/cambricon_ipcm3:/dev/cambricon_ipcm3:rwm")
-    assert seen.env == {"MLU_VISIBLE_DEVICES": "0,1", "KAITIAN_VISIBLE_INDICES": "1,3"}
+    assert seen.env == {"MLU_VISIBLE_DEVICES": "0,1"} and seen.visible_indices == (1, 3)
     with pytest.raises(DeviceSelectionError, match="cambricon_dev2"):
-        container_devices("mlu", [WorkerDevice("mlu", 2)], present)
+        vendor("mlu").container_devices([WorkerDevice("mlu", 2)], present)
 
 
 def test_rank_device_reads_the_launchers_variables():
     env = {"KAITIAN_DEVICE_TYPE": "cuda", "KAITIAN_DEVICE_INDEX": "3", "KAITIAN_DEVICE_UUID": "GPU-3"}
     assert rank_device(env) == WorkerDevice("cuda", 3, "cuda", "GPU-3")
     assert rank_device({**env, "KAITIAN_GROUP": "fast"}).group == "fast"
-    assert WorkerDevice.from_env(rank_device(env).to_env()) == rank_device(env)
+    assert Settings.from_env(Settings.for_device(rank_device(env)).to_env()).device == rank_device(env)
+    assert Settings.for_device(WorkerDevice("cpu", 1, "cpu1")).to_env()["KAITIAN_GROUP"] == "cpu1"
     assert rank_device({"LOCAL_RANK": "1"}) == WorkerDevice("cpu", 0)  # no accelerator torch sees here
 
 
 def test_planned_container_and_exec_give_the_worker_its_gpu():
     """USE_CUDA=1,3 in a container: GPUs by UUID, the exec's env lets worker 3 land on cuda:1."""
-    from kaitian.launcher.runtimes.base import WorkerLaunch
+    from kaitian.launcher.plan import LocalWorker
     from kaitian.launcher.runtimes.docker.labels import AgentIdentity
     from kaitian.launcher.runtimes.docker.options import DockerOptions
-    from kaitian.launcher.runtimes.docker.plan import plan_container, plan_exec
+    from kaitian.launcher.runtimes.docker.specs import container_spec, exec_spec
 
     gpus = [WorkerDevice("cuda", 1, uuid=H100_SXM[1][5]), WorkerDevice("cuda", 3, uuid=H100_SXM[3][5])]
-    workers = [WorkerLaunch(i, i, d) for i, d in enumerate(gpus)]
-    plan = plan_container(group="cuda", workers=workers, image="kaitian:cuda", run_id="r", run_dir="/run/k",
-                          cwd="/work", log_dirs=(), options=DockerOptions(), agent=AgentIdentity("h", 1, "0"))
-    assert plan.create_kwargs()["device_requests"][0]["device_ids"] == [H100_SXM[1][5], H100_SXM[3][5]]
-    host_env = {"CUDA_VISIBLE_DEVICES": "1,2,3", **gpus[1].to_env()}  # the agent's env for worker 1
-    ex = plan_exec(worker=workers[1], container=plan, entrypoint="python3", args=["t.py"], env=host_env,
+    workers = [LocalWorker(i, d) for i, d in enumerate(gpus)]
+    container = container_spec(group="cuda", workers=workers, image="kaitian:cuda", cpu_quota=None, run_id="r",
+                               run_dir="/run/k", cwd="/work", log_dirs=(), options=DockerOptions(),
+                               agent=AgentIdentity("h", 1, "0"))
+    assert container.create_kwargs()["device_requests"][0]["device_ids"] == [H100_SXM[1][5], H100_SXM[3][5]]
+    # the agent's env for worker 1, and what the runtime shows it of the container
+    env = {"CUDA_VISIBLE_DEVICES": "1,2,3", **Settings.for_device(gpus[1]).to_env(),
+           **NodePlan(tuple(workers)).visible_env(workers[1], container.devices)}
+    ex = exec_spec(worker=workers[1], container=container, entrypoint="python3", args=["t.py"], env=env,
                    cwd="/work", pid_file="/run/k/1.pid")
     assert ex.env["CUDA_VISIBLE_DEVICES"] == f"{H100_SXM[1][5]},{H100_SXM[3][5]}"
     assert ex.env["KAITIAN_DEVICE_INDEX"] == "3" and ex.env["KAITIAN_VISIBLE_INDICES"] == "1,3"
-    assert torch_ordinal(WorkerDevice.from_env(ex.env), "CUDA_VISIBLE_DEVICES", ex.env) == 1
+    assert torch_ordinal(Settings.from_env(ex.env).device, "CUDA_VISIBLE_DEVICES", ex.env) == 1
 
 
 @pytest.mark.parametrize(
@@ -371,3 +390,21 @@ def test_an_nvml_that_fails_after_init_falls_back(monkeypatch, no_tools, tmp_pat
     root = pci_tree(tmp_path / "pci", [("0000:01:00.0", 0x10DE, 0x030000, 0, "0-7")])
     assert [(d.key, d.source) for d in nvidia.probe(sys_root=root)] == [("cuda:0", "sysfs")]
     assert nv.state["init"] == 0
+
+
+def test_a_cuda_rank_never_imports_another_vendors_plug_in(monkeypatch):
+    # counting MLUs imports torch_mlu, whose global monkeypatches (its Reducer,
+    # ProcessGroupGloo, destroy_process_group) must not reach a CUDA rank (issue 16)
+    import dataclasses
+
+    from kaitian.devices import rank as rank_module
+
+    counted = []
+
+    def counter(name, n):
+        return lambda: counted.append(name) or n
+
+    table = {name: dataclasses.replace(v, count=counter(name, 2)) for name, v in rank_module.VENDORS.items()}
+    monkeypatch.setattr(rank_module, "VENDORS", table)
+    assert rank_device({}, rank=3) == WorkerDevice("cuda", 1, "cuda")
+    assert set(counted) == {"cuda"}

@@ -25,13 +25,12 @@ from kaitian.devices.inventory import (  # noqa: E402
     select,
 )
 from kaitian.devices.device import WorkerDevice  # noqa: E402
-from kaitian.launcher.placement import Slot, lay_out  # noqa: E402
+from kaitian.launcher.placement import NodeInventory, lay_out  # noqa: E402
 from kaitian.launcher.logs import build_logs_specs, line_prefixes  # noqa: E402
-from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_workers  # noqa: E402
+from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_node  # noqa: E402
 from kaitian.errors import VersionMismatchError  # noqa: E402
 from kaitian.launcher.rendezvous import (  # noqa: E402
     KaitianRendezvousHandler,
-    NodeInventory,
     agree_on_placement,
     create_handler,
 )
@@ -49,20 +48,24 @@ def _keys(devices):
     return [d.key for d in devices]
 
 
+def _inv(*devices, role="r", version="1.0", protocol=1, host="h"):
+    """A node's inventory of ``(type, index, group)`` devices."""
+    return NodeInventory(role, tuple(WorkerDevice(*d) for d in devices), host, version, protocol)
+
+
 # --- layout ---------------------------------------------------------------------------
 
 
 def test_layout_homogeneous_is_torchruns():
-    inv = [[Slot(WorkerDevice("cpu", i, "cpu"), "default") for i in range(3)] for _ in range(2)]
-    placements = lay_out(inv)
+    placements = lay_out([_inv(*[("cpu", i, "cpu") for i in range(3)], role="default") for _ in range(2)])
     for (node, local), p in placements.items():
         assert p.global_rank == node * 3 + local  # torchrun: node offset + local rank
         assert p.role_rank == p.global_rank and p.world_size == p.role_world_size == 6
 
 
 def test_layout_groups_by_vendor_across_nodes():
-    node0 = [Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
-    node1 = [Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cuda", 0, "cuda"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")]
+    node0 = _inv(("cpu", 0, "cpu0"), ("cpu", 1, "cpu1"))
+    node1 = _inv(("cpu", 0, "cpu0"), ("cuda", 0, "cuda"), ("cpu", 1, "cpu1"))
     p = lay_out([node0, node1])
     order = sorted(p, key=lambda k: p[k].global_rank)
     assert order == [(1, 1), (0, 0), (1, 0), (0, 1), (1, 2)]  # cuda, then cpu0, then cpu1
@@ -126,29 +129,33 @@ def test_cpu_slots_cover_the_cores_once():
 
 def test_plan_nproc_auto_groups_and_quota():
     cpu4 = [Device("cpu", i, "c", cpus=(i,)) for i in range(4)]
-    plans = plan_workers(nproc_auto=True, nproc_per_node=None, cpu_groups=2, cpu_quota=[0.5, 2.0],
-                         env={}, devices=cpu4)
-    assert [p.device.group for p in plans] == ["cpu0", "cpu0", "cpu1", "cpu1"]
-    assert [p.cpu_quota for p in plans] == [0.5, 0.5, 2.0, 2.0]
-    assert [p.cpus for p in plans] == [(0,), (1,), (2,), (3,)]
-    assert all(p.device.explicit_group and p.omp_threads == 1 for p in plans)
+    plan = plan_node(nproc_auto=True, nproc_per_node=None, cpu_groups=2, cpu_quota=[0.5, 2.0],
+                     env={}, devices=cpu4)
+    assert [w.device.group for w in plan.workers] == ["cpu0", "cpu0", "cpu1", "cpu1"]
+    assert [w.local_rank for w in plan.workers] == [0, 1, 2, 3]
+    assert plan.cpu_quotas == {"cpu0": 0.5, "cpu1": 2.0} and plan.hide_other_vendors
+    assert [w.cpus for w in plan.workers] == [(0,), (1,), (2,), (3,)]
+    assert all(w.device.explicit_group for w in plan.workers)
+    one = plan_node(nproc_auto=True, nproc_per_node=None, cpu_quota=[1.5], env={}, devices=cpu4)
+    assert one.cpu_quotas == {"cpu": 1.5}  # one value, the one group of every CPU worker
 
 
 def test_plan_nproc_per_node_keeps_torchrun_meaning():
-    plans = plan_workers(nproc_auto=False, nproc_per_node=3, env={}, devices=HOST)
-    assert [p.key for p in plans] == ["cuda:0", "cuda:1", "mlu:0"]
-    plans = plan_workers(nproc_auto=False, nproc_per_node=3, env={"USE_CUDA": "-1", "USE_MLU": "-1"},
-                         devices=HOST)
-    assert [p.key for p in plans] == ["cpu:0", "cpu:1", "cpu:2"]
-    assert all(p.cpus == () and p.omp_threads is None and not p.device.explicit_group for p in plans)
+    plan = plan_node(nproc_auto=False, nproc_per_node=3, env={}, devices=HOST)
+    assert [w.device.key for w in plan.workers] == ["cuda:0", "cuda:1", "mlu:0"]
+    assert not plan.hide_other_vendors
+    plan = plan_node(nproc_auto=False, nproc_per_node=3, env={"USE_CUDA": "-1", "USE_MLU": "-1"},
+                     devices=HOST)
+    assert [w.device.key for w in plan.workers] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert all(w.cpus == () and not w.device.explicit_group for w in plan.workers)
 
 
 def test_plan_errors():
     cpu1 = [Device("cpu", 0, "c", cpus=(0,))]
     with pytest.raises(PlanError, match="--cpu-groups 2: only 1 CPU worker"):
-        plan_workers(nproc_auto=True, nproc_per_node=None, cpu_groups=2, env={}, devices=cpu1)
+        plan_node(nproc_auto=True, nproc_per_node=None, cpu_groups=2, env={}, devices=cpu1)
     with pytest.raises(PlanError, match="2 values for 1 CPU group"):
-        plan_workers(nproc_auto=True, nproc_per_node=None, cpu_quota=[1, 2], env={}, devices=cpu1)
+        plan_node(nproc_auto=True, nproc_per_node=None, cpu_quota=[1, 2], env={}, devices=cpu1)
     with pytest.raises(PlanError):
         parse_cpu_quota("0,1")
     with pytest.raises(PlanError):
@@ -211,25 +218,21 @@ def _agree(store, inventories, serve=None):
     return results, calls
 
 
-def _inv(slots, version="1.0", protocol=1, host="h"):
-    return NodeInventory(tuple(slots), host, version, protocol)
-
-
 def test_placement_decided_once_and_published():
     """Node 0 lays out and publishes; each node makes a constant number of store requests."""
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=10))
-    nodes = [_inv([Slot(WorkerDevice("cpu", 0, "cpu0"), "r")]),
-             _inv([Slot(WorkerDevice("cuda", 1, "cuda"), "r"), Slot(WorkerDevice("cpu", 0, "cpu"), "r")]),
-             _inv([Slot(WorkerDevice("cpu", 0, "cpu0"), "r"), Slot(WorkerDevice("cpu", 1, "cpu1"), "r")])]
+    nodes = [_inv(("cpu", 0, "cpu0")),
+             _inv(("cuda", 1, "cuda"), ("cpu", 0, "cpu")),
+             _inv(("cpu", 0, "cpu0"), ("cpu", 1, "cpu1"))]
     results, calls = _agree(store, nodes, serve=lambda: ("10.0.0.1", 4242))
-    expected = lay_out([n.slots for n in nodes])
-    for rank, plan in results.items():
-        assert [p for p in plan.placements] == [expected[(rank, lr)] for lr in range(len(nodes[rank].slots))]
-        assert plan.worker_store == ("10.0.0.1", 4242) and plan.epoch == 1
+    expected = lay_out(nodes)
+    for rank, share in results.items():
+        assert [p for p in share.placements] == [expected[(rank, lr)] for lr in range(len(nodes[rank].devices))]
+        assert share.worker_store == ("10.0.0.1", 4242) and share.epoch == 1
     assert max(calls.values()) <= 4, calls  # add, set, (multi_get, multi_set on node 0), get
     # a second round on the same store never serves the first round's inventory
-    nodes[0] = _inv([Slot(WorkerDevice("cuda", 0, "cuda"), "r")])
+    nodes[0] = _inv(("cuda", 0, "cuda"))
     results, _ = _agree(store, nodes)
     assert results[0].placements[0].global_rank == 0 and results[1].placements[0].global_rank == 1
     assert results[0].epoch == 2 and results[0].worker_store is None
@@ -239,15 +242,15 @@ def test_version_mismatch_fails_every_node_in_one_line():
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=10))
     served = []
-    nodes = [_inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], host="a"), _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], host="b"),
-             _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], version="0.9", host="c")]
+    nodes = [_inv(("cpu", 0, "cpu"), host="a"), _inv(("cpu", 0, "cpu"), host="b"),
+             _inv(("cpu", 0, "cpu"), version="0.9", host="c")]
     results, _ = _agree(store, nodes, serve=lambda: served.append(1))
     for rank in range(3):
         assert isinstance(results[rank], VersionMismatchError), results[rank]
         assert str(results[rank]) == str(results[0]) and "\n" not in str(results[0])
     assert "node 0 (a) has kaitian 1.0" in str(results[0]) and "node 2 (c) has kaitian 0.9" in str(results[0])
     assert not served  # nothing is started for a round that cannot run
-    protocol = [_inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")]), _inv([Slot(WorkerDevice("cpu", 0, "cpu"), "r")], protocol=2)]
+    protocol = [_inv(("cpu", 0, "cpu")), _inv(("cpu", 0, "cpu"), protocol=2)]
     results, _ = _agree(store, protocol)
     assert all("bridge protocol 2" in str(results[r]) for r in (0, 1))
 
@@ -310,7 +313,10 @@ def test_kaitian_rendezvous_single_node():
         info = handler.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
         assert handler.last_info is info
-        assert handler.get_run_id() == "unit" and handler.use_agent_store
+        assert handler.get_run_id() == "unit"
+        # as torch's own c10d handler answers (True from the release that shares
+        # the agent's store with the workers; torch 2.4's never does)
+        assert handler.use_agent_store is handler._inner.use_agent_store
     finally:
         handler.shutdown()
 
@@ -328,13 +334,13 @@ def test_cuda_discovery_from_nvidia_smi(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    cuda = [d for d in discover(detail=True) if d.type == "cuda"]
+    cuda = [d for d in discover() if d.type == "cuda"]
     assert [d.key for d in cuda] == ["cuda:0", "cuda:1"]
     assert cuda[1].name == "NVIDIA H100 80GB HBM3" and cuda[1].memory_bytes == 81559 << 20
     assert cuda[1].bus_id == "0000:3b:00.0" and cuda[1].link == "PCIe5 x16"  # the kernel's form
     # CUDA_VISIBLE_DEVICES hides devices; the others keep their physical index
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    cuda = [d for d in discover(detail=True) if d.type == "cuda"]
+    cuda = [d for d in discover() if d.type == "cuda"]
     assert [(d.key, d.bus_id) for d in cuda] == [("cuda:1", "0000:3b:00.0")]
     table = format_table(cuda)
     assert "79.6 GiB" in table and "PCIe5 x16" in table
@@ -356,7 +362,8 @@ _PET_VALUES = {"nproc_auto": ("1", True), "devices": ("cuda:0,cpu", "cuda:0,cpu"
                "cpu_groups": ("2", 2), "cpu_quota": ("0.5,1", "0.5,1"), "runtime": ("docker", "docker"),
                "image": ("cuda=a:1,mlu=b:2", ["cuda=a:1", "mlu=b:2"]), "keep_containers": ("1", True),
                "volume": ("/a:/b,/c:/d:ro", ["/a:/b", "/c:/d:ro"]), "shm_size": ("8g", "8g"),
-               "container_user": ("1000:1000", "1000:1000"), "monitor": ("/tmp/mon", "/tmp/mon")}
+               "container_user": ("1000:1000", "1000:1000"), "monitor": ("/tmp/mon", "/tmp/mon"),
+               "on_failure": ("continue", "continue")}
 
 
 def test_every_kaitian_flag_has_a_pet_form(monkeypatch):
@@ -373,3 +380,26 @@ def test_every_kaitian_flag_has_a_pet_form(monkeypatch):
         assert getattr(args, dest) == want, dest
     args = build_parser().parse_args(["--cpu-groups", "1", "--image", "cpu=c", "train.py"])
     assert args.cpu_groups == 1 and args.image == ["cpu=c"]  # flags replace the variables
+
+
+def test_teardown_signals_only_known_host_processes():
+    """An unknown pid (-1) must never reach kill(2): kill(-1) signals every process
+    the agent may signal, killpg(1) is kill(-1) too, and 0 is the agent's own group."""
+    from kaitian.launcher.agent import _signal_each
+
+    sent = []
+    _signal_each(lambda i, sig: sent.append(i), [4242, -1, 0, 1, 4243], 9)
+    assert sent == [4242, 4243]
+
+
+def test_docker_worker_pids_are_host_pids_or_unknown():
+    """Before the Engine reports a worker's host pid, its pid is unknown (-1), never
+    its pid inside the container, which names another process on the host."""
+    from types import SimpleNamespace
+
+    from kaitian.launcher.runtimes.docker.exec import DockerExecContext
+
+    context = DockerExecContext.__new__(DockerExecContext)
+    context._execs = {0: SimpleNamespace(host_pid=None, container_pid=lambda wait=0: 7),
+                      1: SimpleNamespace(host_pid=31337, container_pid=lambda wait=0: 8)}
+    assert context.pids() == {0: -1, 1: 31337}

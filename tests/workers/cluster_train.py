@@ -71,7 +71,7 @@ def main():
     import torch.distributed as dist
 
     import kaitian
-    from kaitian.training.sampler import proportional_split
+    from kaitian.training.split import proportional_split
 
     dist.init_process_group("kaitian")
     rank, world = dist.get_rank(), dist.get_world_size()

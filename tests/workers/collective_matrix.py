@@ -1,8 +1,10 @@
 """One rank of the collective matrix (cases in ``support/collective_cases.py``).
 
 Initialises the group under test (``--backend``, normally ``kaitian``) and a
-gloo group over the same ranks, runs every case and writes one JSON line per
-case to ``KT_OUT`` (flushed as it goes, so a hang still names its case).
+gloo group over the same ranks, runs every case on this rank's device
+(``kaitian.device()``: a fake MLU with ``KAITIAN_FAKE_ACCELERATOR``, else the
+CPU) and writes one JSON line per case to ``KT_OUT`` (flushed as it goes, so a
+hang still names its case).
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     me = rank_env()
     groups = me.groups
-    if args.backend == "kaitian":
-        import kaitian  # noqa: F401  registers the backend
+    import kaitian  # registers the backend; installs the fake MLUs of KAITIAN_FAKE_ACCELERATOR
+
+    device = kaitian.set_device()
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group(args.backend, timeout=timeout)
     # The reference group outlasts the group under test, so that after a case
     # that failed on some ranks only, the others' timeout still re-aligns them.
     ref_timeout = timeout * 3
     ctx = Ctx(me.rank, me.world_size, groups, None, dist.new_group(backend="gloo", timeout=ref_timeout),
-              args.fault)
+              args.fault, device)
     # Subgroups must be created by every rank, in the same order.
     w = me.world_size
     cross = sorted({0, w - 1})
@@ -51,20 +54,24 @@ def _run(args: argparse.Namespace) -> int:
     ctx.subgroups = {"cross": dist.new_group(cross, backend=args.backend), "same": dist.new_group(same)}
     ctx.ref_subgroups = {"cross": dist.new_group(cross, backend="gloo", timeout=ref_timeout),
                          "same": dist.new_group(same, backend="gloo", timeout=ref_timeout)}
-    cases = [c for c in build_cases(w) if c.core or not args.core_only]
+    from kaitian.testing import fake_accelerator
+
+    cases = [c for c in build_cases(w, fake_device=fake_accelerator.installed() is not None)
+             if c.core or not args.core_only]
     if args.only:
         cases = [c for c in cases if any(o in c.name for o in args.only)]
+    cases = [c for c in cases if not any(o in c.name for o in args.skip)]
     with open(me.out, "w") as out:
         # Prove which backend is under test, and which transports it chose.
         backend = dist.get_backend()
-        ok = backend == args.backend
-        msg = f"default group backend {backend!r}, expected {args.backend!r}"
+        ok = backend == args.backend and device.type == os.environ.get("KAITIAN_DEVICE_TYPE", device.type)
+        msg = f"default group backend {backend!r}, expected {args.backend!r}; tensors on {device}"
         if args.backend == "kaitian":
             impl = dist.group.WORLD._get_backend(torch.device("cpu"))
             groups_seen = [impl.group_names()[g] for g in impl.group_of()]
             bridge, flat = impl.bridge_kind(), impl.flat_intra()
             msg += f"; groups {groups_seen}, bridge {bridge}, flat intra {flat}"
-            if os.environ.get("KAITIAN_GROUP"):
+            if os.environ.get("KAITIAN_DEVICE_TYPE"):  # the layout's groups were given
                 ok = ok and groups_seen == groups
             if os.environ.get("KAITIAN_BRIDGE") == "tcp":
                 ok = ok and bridge == "tcp"
@@ -105,6 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--world-size", type=int, default=1, help="with --list")
     ap.add_argument("--core-only", action="store_true")
     ap.add_argument("--only", action="append", default=[], help="run cases whose name contains this")
+    ap.add_argument("--skip", action="append", default=[], help="skip cases whose name contains this")
     ap.add_argument("--fault", default=None)
     ap.add_argument("--timeout", type=float, default=30.0, help="timeout of the group under test")
     ap.add_argument("--list", action="store_true")

@@ -25,12 +25,38 @@ import torch.distributed as dist
 
 from support.worker_env import rank_env
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 __all__ = ["VARIANTS", "main"]
 
-# variant -> (DDP keyword arguments, comm hook or None, parameter tolerance)
+
+
+def _powersgd(pg):
+    # Compression starts at step 2: steps 0-1 all-reduce plainly, later steps
+    # issue and wait for collectives inside the hook's future callbacks.
+    state = powerSGD_hook.PowerSGDState(process_group=pg, matrix_approximation_rank=1,
+                                        start_powerSGD_iter=2, random_seed=0)
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def _nested_allreduce_hook(pg, bucket):
+    """Averages the bucket, then issues and waits for two more collectives
+    inside the ``.then()`` callback (one via Work.wait, one via Future.wait)."""
+    fut = dist.all_reduce(bucket.buffer(), group=pg, async_op=True).get_future()
+
+    def rescale(f):
+        world = torch.ones(1)
+        dist.all_reduce(world, group=pg)
+        again = torch.ones(1)
+        dist.all_reduce(again, group=pg, async_op=True).get_future().wait()
+        return f.value()[0] / (world * again / dist.get_world_size(pg)).item() / dist.get_world_size(pg)
+
+    return fut.then(rescale)
+
+
+# variant -> (DDP keyword arguments, comm hook or None, parameter tolerance);
+# _powersgd builds its (state, hook) per process group.
 VARIANTS = {
     "plain": ({}, None, 1e-5),
     "small-buckets": ({"bucket_cap_mb": 0.01}, None, 1e-5),
@@ -38,6 +64,8 @@ VARIANTS = {
     "fp16_compress_hook": ({}, default_hooks.fp16_compress_hook, 2e-3),
     "static_graph": ({"static_graph": True}, None, 1e-5),
     "no_sync": ({}, None, 1e-5),
+    "powerSGD_hook": ({}, _powersgd, 1e-4),
+    "nested_then_hook": ({}, _nested_allreduce_hook, 1e-5),
 }
 STEPS = 8
 
@@ -79,7 +107,10 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 dut = DDP(_model(), **kwargs)
                 ref = DDP(_model(), process_group=gloo, **kwargs)
-                if hook is not None:
+                if hook is _powersgd:
+                    dut.register_comm_hook(*_powersgd(None))
+                    ref.register_comm_hook(*_powersgd(gloo))
+                elif hook is not None:
                     dut.register_comm_hook(None, hook)
                     ref.register_comm_hook(gloo, hook)
                 start = [p.detach().clone() for p in ref.parameters()]

@@ -36,6 +36,11 @@ if mode == "env":
     })
     print(f"hello from rank {rank}", flush=True)
     print(f"warning from rank {rank}", file=sys.stderr, flush=True)
+elif mode == "checkpoint":  # what a training script writes where it runs
+    import torch
+
+    torch.save({"step": 1}, os.path.join(os.getcwd(), f"checkpoint.{rank}.pt"))
+    dump("env", {"uid": os.getuid(), "gid": os.getgid(), "cwd": os.getcwd()})
 elif mode == "fail":
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -83,7 +88,7 @@ elif mode == "shm":
         while seg is None and time.time() < deadline:
             try:
                 seg = shared_memory.SharedMemory(name=name)
-            except FileNotFoundError:
+            except (FileNotFoundError, ValueError):  # not there yet, or not yet sized (empty)
                 time.sleep(0.01)
         while bytes(seg.buf[:5]) != b"hello" and time.time() < deadline:
             time.sleep(0.01)

@@ -90,8 +90,8 @@ def main():
     # capabilities from each rank's KAITIAN_CAPABILITY, exchanged through the group
     os.environ["KAITIAN_CAPABILITY"] = str(10.0 * (rank + 1))
     results["env_split"] = kaitian.DistributedSampler(range(100), batch_size=10).split
+    results["optimize_batch_size"] = kaitian.optimize_batch_size(10)  # the same split, from the same values
     del os.environ["KAITIAN_CAPABILITY"]
-    results["optimize_batch_size"] = kaitian.optimize_batch_size(10)
     gathered = [None] * world
     dist.all_gather_object(gathered, {"group": group, **results})
     if rank == 0:

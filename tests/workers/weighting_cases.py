@@ -176,7 +176,9 @@ class _null:
 
 
 def hardening(rank, world):
-    """Ranks at different steps are named; BatchNorm raises the sampler's minimum batch."""
+    """Ranks at different steps are named, a DataLoader batch_size that is not the rank's share is
+    refused at the first step, and BatchNorm raises the sampler's minimum batch: through the sampler
+    given to kaitian's DDP and to scale_loss."""
     result = {"case": "hardening"}
     try:  # the pre-torch-order call DistributedSampler(ds, 64) meant batch_size=64
         kaitian.DistributedSampler(range(100), 64)
@@ -184,8 +186,19 @@ def hardening(rank, world):
     except kaitian.errors.SplitError as exc:
         result["positional"] = str(exc)
     sampler = kaitian.DistributedSampler(range(37), batch_size=8, capabilities=[7.0, 1.0])
-    bn = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4)).double()
-    model = kaitian.DistributedDataParallel(bn)
+
+    def batch_norm_model():
+        net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4)).double()
+        return kaitian.DistributedDataParallel(net, sampler=sampler)
+
+    def step(mode, model, x):
+        loss = model(x).pow(2).mean()
+        if mode == "torch":
+            kaitian.scale_loss(loss, count=len(x), sampler=sampler)
+        else:
+            loss.backward()
+
+    model = batch_norm_model()
     result["min_batch"] = sampler.min_batch_size
     result["sizes"] = [len(b) for b in sampler.epoch_batches()]
     for mode in ("torch", "kaitian"):
@@ -194,18 +207,23 @@ def hardening(rank, world):
             for epoch in range(2):
                 sampler.set_epoch(epoch)
                 for _ in range(steps):
-                    x = torch.randn(4, 5, dtype=torch.float64)
-                    loss = model(x).pow(2).mean()
-                    if mode == "torch":
-                        kaitian.scale_loss(loss, count=4)
-                    else:
-                        loss.backward()
+                    step(mode, model, torch.randn(4, 5, dtype=torch.float64))
             result[mode] = "not caught"
         except TrainingError as exc:
             result[mode] = str(exc)
-        if mode == "torch":
-            model = kaitian.DistributedDataParallel(
-                torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4)).double())
+        model = batch_norm_model()
+    data = torch.utils.data.TensorDataset(torch.randn(37, 5, dtype=torch.float64))
+    for mode in ("torch", "kaitian"):
+        sampler.set_epoch(2)
+        result[f"loader {mode} steps"] = 0
+        try:  # the torch habit: batch_size=8 on every rank, not the rank's share
+            for (x,) in torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler):
+                step(mode, model, x)
+                result[f"loader {mode} steps"] += 1
+            result[f"loader {mode}"] = "not caught"
+        except TrainingError as exc:
+            result[f"loader {mode}"] = str(exc)
+        model = batch_norm_model()
     return result
 
 

@@ -2,29 +2,78 @@
 
 None of these needs torch or ``torch_mlu``. A card's index is the number in
 its device node, which is also ``cnmon``'s card number.
+
+``KAITIAN_FAKE_ACCELERATOR=mlu:N`` puts N fake MLUs
+(:mod:`kaitian.testing.fake_accelerator`) in their place on a host without a
+real ``torch_mlu``: discovery lists them, and every process that imports
+kaitian gets them as ``torch.mlu``. A real ``torch_mlu`` wins over the variable.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
+import sys
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
 from kaitian.devices.vendors.pci import PCI_ROOT, find_function, normalise_bus_id, pci_functions
 from kaitian.devices.vendors.tools import run_tool
-from kaitian.devices.visible import VISIBLE_INDICES_ENV
 from kaitian.errors import DeviceSelectionError
+from kaitian.settings import fake_accelerator
 
 __all__ = [
-    "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device",
+    "PCI_VENDOR", "SOURCES", "FAKE_SOURCE", "probe", "utilisation", "container_devices", "count",
+    "set_device", "fake_count", "install_fake", "load_torch_mlu",
 ]
 
 PCI_VENDOR = 0xCABC
 _PCI_CLASSES = (0x12, 0x0B, 0x03)  # processing accelerator, co-processor, display
-SOURCES = "cnmon, /dev/cambricon_dev*, /sys/bus/pci"
+SOURCES = "cnmon, /dev/cambricon_dev*, /sys/bus/pci, KAITIAN_FAKE_ACCELERATOR"
 DEV_ROOT = "/dev"
+FAKE_SOURCE = "KAITIAN_FAKE_ACCELERATOR"
+
+
+# --- fake MLUs -------------------------------------------------------------------
+
+
+def _real_torch_mlu() -> bool:
+    return importlib.util.find_spec("torch_mlu") is not None
+
+
+def fake_count() -> int:
+    """N for ``KAITIAN_FAKE_ACCELERATOR=mlu:N``; 0 when unset or a real ``torch_mlu`` is installed."""
+    fake = fake_accelerator()
+    return 0 if fake is None or _real_torch_mlu() else fake[1]
+
+
+def install_fake() -> None:
+    """What ``import kaitian`` does with ``KAITIAN_FAKE_ACCELERATOR``: installs the
+    fake MLUs, or says in one line that a real ``torch_mlu`` makes it ignored.
+
+    Raises:
+        SettingError: the variable is malformed.
+        ImportError: the fake accelerator is not built for this torch.
+    """
+    fake = fake_accelerator()
+    if fake is None:
+        return
+    if _real_torch_mlu():
+        print("kaitian: KAITIAN_FAKE_ACCELERATOR is ignored: a real torch_mlu is installed", file=sys.stderr)
+        return
+    from kaitian.testing import fake_accelerator as fake_module
+
+    fake_module.install(*fake)
+
+
+def load_torch_mlu() -> None:
+    """Imports ``torch_mlu``, or installs the fake MLUs that stand in for it."""
+    if fake_count():
+        install_fake()
+    else:
+        import torch_mlu  # noqa: F401  (registers torch.mlu)
 
 
 # --- discovery ---------------------------------------------------------------
@@ -79,7 +128,10 @@ def from_sysfs(sys_root: str = PCI_ROOT) -> List[Device]:
 
 
 def probe(sys_root: Optional[str] = None, dev_root: Optional[str] = None) -> List[Device]:
-    """This host's MLUs: ``cnmon``, else device nodes, else PCI sysfs."""
+    """This host's MLUs: the fake ones if asked for, else ``cnmon``, else device nodes, else PCI sysfs."""
+    fakes = fake_count()
+    if fakes:
+        return [Device("mlu", i, "fake MLU", source=FAKE_SOURCE) for i in range(fakes)]
     sys_root, dev_root = sys_root or PCI_ROOT, dev_root or DEV_ROOT
     out = run_tool(["cnmon", "info"])
     if out is not None:
@@ -139,10 +191,7 @@ def container_devices(devices: Sequence[WorkerDevice], present_nodes: Optional[I
         )
     return ContainerDevices(
         device_nodes=tuple(f"{p}:{p}:rwm" for p in wanted if p in present),
-        env={
-            "MLU_VISIBLE_DEVICES": ",".join(str(k) for k in range(len(indices))),
-            VISIBLE_INDICES_ENV: ",".join(str(i) for i in indices),
-        },
+        env={"MLU_VISIBLE_DEVICES": ",".join(str(k) for k in range(len(indices)))},
         index_map={i: k for k, i in enumerate(indices)},
     )
 
@@ -151,9 +200,9 @@ def container_devices(devices: Sequence[WorkerDevice], present_nodes: Optional[I
 
 
 def count() -> int:
-    """MLUs ``torch_mlu`` sees in this process (0 without it)."""
+    """MLUs ``torch_mlu`` (or the fake) sees in this process (0 without it)."""
     try:
-        import torch_mlu  # noqa: F401  (registers torch.mlu)
+        load_torch_mlu()
         import torch
     except ImportError:
         return 0
@@ -162,6 +211,6 @@ def count() -> int:
 
 def set_device(index: int) -> None:
     import torch
-    import torch_mlu  # noqa: F401
 
+    load_torch_mlu()
     torch.mlu.set_device(index)

@@ -16,7 +16,6 @@ from typing import Dict, Iterator, List, Optional, Sequence
 from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
 from kaitian.devices.vendors.pci import PCI_ROOT, find_function, normalise_bus_id, pci_functions
 from kaitian.devices.vendors.tools import run_tool
-from kaitian.devices.visible import VISIBLE_INDICES_ENV
 
 __all__ = [
     "PCI_VENDOR", "SOURCES", "probe", "utilisation", "container_devices", "count", "set_device",
@@ -189,12 +188,11 @@ def container_devices(devices: Sequence[WorkerDevice], present_nodes=None) -> Co
     if not ordered:
         return ContainerDevices()
     ids = [d.uuid or str(d.index) for d in ordered]
-    env = {VISIBLE_INDICES_ENV: ",".join(str(d.index) for d in ordered)}
     if all(d.uuid for d in ordered):
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
     else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k) for k in range(len(ordered)))
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's default order may differ from NVML's
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(k) for k in range(len(ordered))),
+               "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # CUDA's default order may differ from NVML's
     return ContainerDevices(
         device_requests=({"driver": "nvidia", "device_ids": ids, "capabilities": [["gpu"]]},),
         env=env,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
-from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch, WorkerStart
-from kaitian.launcher.runtimes.options import LocalOptions, RuntimeOptions, options_from_args
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
+from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = [
-    "RUNTIMES", "get_runtime", "runtime_class", "Runtime", "RunContext", "WorkerLaunch", "WorkerStart",
-    "RuntimeOptions", "LocalOptions", "options_from_args",
+    "RUNTIMES", "RUNTIME_OPTIONS", "get_runtime", "runtime_class", "Runtime", "RunContext", "WorkerStart", "RuntimeOptions", "options_from_args",
 ]
 
 # name -> "module:class", imported on use so the docker SDK loads only when asked for.
@@ -17,6 +17,17 @@ RUNTIMES = {
     "local": "kaitian.launcher.runtimes.local:LocalRuntime",
     "docker": "kaitian.launcher.runtimes.docker.runtime:DockerRuntime",
 }
+# name -> the runtime's own options class (``from_args(args, config)``), in a
+# module that loads without the runtime itself.
+RUNTIME_OPTIONS = {
+    "local": "kaitian.launcher.runtimes.local:LocalOptions",
+    "docker": "kaitian.launcher.runtimes.docker.options:DockerOptions",
+}
+
+
+def _load(spec: str) -> type:
+    module_name, cls_name = spec.split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
 
 
 def runtime_class(name: str) -> type:
@@ -26,10 +37,24 @@ def runtime_class(name: str) -> type:
         ValueError: no runtime of that name.
     """
     try:
-        module_name, cls_name = RUNTIMES[name].split(":")
+        spec = RUNTIMES[name]
     except KeyError:
         raise ValueError(f"unknown runtime {name!r}; choose one of: {', '.join(RUNTIMES)}") from None
-    return getattr(importlib.import_module(module_name), cls_name)
+    return _load(spec)
+
+
+def options_from_args(args: argparse.Namespace, config: object) -> RuntimeOptions:
+    """The run's options from kaitianrun's parsed flags and torchrun's launch
+    config: every runtime's own options checked, whichever runtime was chosen.
+
+    Raises:
+        DockerOptionError: a docker flag that cannot be used.
+    """
+    return RuntimeOptions(
+        duplicate_stdout_filters=getattr(config, "duplicate_stdout_filters", None),
+        duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
+        own={name: _load(spec).from_args(args, config) for name, spec in RUNTIME_OPTIONS.items()},
+    )
 
 
 def get_runtime(name: str, ctx: RunContext) -> Runtime:

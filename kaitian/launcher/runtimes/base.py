@@ -9,49 +9,35 @@ collects error files and stops workers the same way for every runtime.
 from __future__ import annotations
 
 import abc
+import os
+import signal
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from kaitian._torch import LogsSpecs, PContext
-from kaitian.devices.device import WorkerDevice
+from kaitian.launcher.plan import LocalWorker, NodePlan
 from kaitian.launcher.runtimes.options import RuntimeOptions
 
-__all__ = ["WorkerLaunch", "WorkerStart", "RunContext", "Runtime"]
-
-
-@dataclass(frozen=True)
-class WorkerLaunch:
-    """Where and on what one local worker runs.
-
-    Attributes:
-        local_rank: rank on this node.
-        global_rank: rank in the world.
-        device: the worker's device (physical index; CPU: the slot index) and
-            kaitian group (``KAITIAN_GROUP``); one container per group.
-        cpus: cores the worker is pinned to (empty: no pinning).
-        cpu_quota: CPU time the worker's group may use, in cores (``None``: no
-            limit). Used to simulate slower devices on a CPU-only host.
-    """
-
-    local_rank: int
-    global_rank: int
-    device: WorkerDevice
-    cpus: Tuple[int, ...] = ()
-    cpu_quota: Optional[float] = None
+__all__ = ["WorkerStart", "RunContext", "Runtime"]
 
 
 @dataclass(frozen=True)
 class WorkerStart:
-    """One (re)start of a node's worker group: what the agent asks a runtime to run.
+    """One (re)start of a node's worker group, or of one of its workers: what the agent asks a runtime to run.
+
+    Every mapping is keyed by the process's index in this start, ``0 ..
+    n-1`` (torch's process contexts number their processes so): the local
+    rank for a whole group's start; ``0`` for one worker started alone
+    (``--on-failure continue``), whose :class:`LocalWorker` keeps its local rank.
 
     Attributes:
         name: the worker group's name (torchelastic role).
         entrypoint: the binary (the host's python, usually) or a function.
-        args: worker arguments by local rank.
-        envs: worker environments by local rank.
+        args: worker arguments.
+        envs: worker environments.
         logs_specs: where stdout / stderr / error files go.
-        workers: what each local rank runs on, by local rank.
-        log_line_prefixes: console prefixes by local rank.
+        workers: the node plan's worker each process is.
+        log_line_prefixes: console prefixes.
         start_method: torch's multiprocessing start method (functions only).
     """
 
@@ -60,7 +46,7 @@ class WorkerStart:
     args: Dict[int, Tuple]
     envs: Dict[int, Dict[str, str]]
     logs_specs: LogsSpecs
-    workers: Dict[int, WorkerLaunch]
+    workers: Dict[int, LocalWorker]
     log_line_prefixes: Optional[Dict[int, str]] = None
     start_method: str = "spawn"
 
@@ -75,6 +61,7 @@ class RunContext:
         log_dir: torchrun's ``--log-dir`` base, or ``None``.
         cwd: the user's working directory.
         options: the runtime options, checked once from the command line.
+        plan: the node's plan (its groups' CPU quotas, what its workers see).
     """
 
     run_id: str
@@ -82,6 +69,7 @@ class RunContext:
     log_dir: Optional[str]
     cwd: str
     options: RuntimeOptions = field(default_factory=RuntimeOptions)
+    plan: NodePlan = field(default_factory=lambda: NodePlan(()))
 
 
 class Runtime(abc.ABC):
@@ -101,6 +89,28 @@ class Runtime(abc.ABC):
 
     def before_stop(self) -> None:
         """Called by the agent right before it stops the workers it started."""
+
+    def exit_codes(self, pcontext: PContext) -> Dict[int, Optional[int]]:
+        """Each worker's exit code by key, ``None`` while it runs; stops nobody.
+
+        ``--on-failure continue`` polls workers one by one: torch's
+        ``PContext.wait`` stops every worker once one has failed.
+        """
+        from kaitian._torch import subprocess_exit_codes
+
+        return subprocess_exit_codes(pcontext)
+
+    def forget_worker(self, pid: int) -> None:
+        """A worker the agent started alone has exited: drop what tracks its pid (it may be reused)."""
+
+    def kill_worker(self, pcontext: PContext, key: int) -> None:
+        """SIGKILLs one worker of ``pcontext`` and what it forked (its process group)."""
+        pid = pcontext.pids()[key]
+        for send, target in ((os.killpg, pid), (os.kill, pid)):
+            try:
+                send(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def shutdown(self) -> None:
         """Releases everything the run created (containers, cgroups). Idempotent."""

@@ -2,17 +2,23 @@
 
 Processes are started by torch's own ``start_processes`` (so logs, error
 files and signals behave exactly as under torchrun); on top of that each
-worker is pinned to its slot's cores and put under its group's CPU quota.
+worker sees the devices the plan shows it, is pinned to its slot's cores and
+put under its group's CPU quota.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from kaitian import _torch as _te
-from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch, WorkerStart
+from kaitian.launcher.runtimes import die_with_agent
+from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.cpu_limits import (
     CgroupQuota,
     DutyCycle,
@@ -22,16 +28,30 @@ from kaitian.launcher.runtimes.cpu_limits import (
 )
 from kaitian.settings import settings
 
-__all__ = ["LocalRuntime"]
+__all__ = ["LocalRuntime", "LocalOptions"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """Options only the local runtime uses.
+
+    Attributes:
+        numa_options: torchrun's ``--numa-binding`` (a torch ``NumaOptions``), or ``None``.
+    """
+
+    numa_options: Optional[object] = None
+
+    @classmethod
+    def from_args(cls, args: object, config: object) -> "LocalOptions":
+        return cls(numa_options=getattr(config, "numa_options", None))
 
 
 class LocalRuntime(Runtime):
     """Runs workers as local subprocesses (pinned, optionally CPU-quota'd).
 
-    Reads ``ctx.options.local.numa_options`` and the ``--duplicate-std*-filters``
-    of ``ctx.options``.
+    Reads its ``LocalOptions`` and the ``--duplicate-std*-filters`` of ``ctx.options``.
     """
 
     name = "local"
@@ -49,53 +69,67 @@ class LocalRuntime(Runtime):
 
     def start(self, job: WorkerStart) -> "_te.PContext":
         opts = self.ctx.options
+        entrypoint, args = job.entrypoint, job.args
+        if isinstance(entrypoint, str):  # a program: it dies with this agent
+            program = shutil.which(entrypoint) or entrypoint
+            entrypoint = sys.executable
+            # Run by path, isolated and without site: the wrapper needs only the
+            # standard library, so it adds no torch import to a worker's start.
+            args = {r: ("-I", "-S", die_with_agent.__file__, str(os.getpid()), program, *a)
+                    for r, a in args.items()}
+        plan = self.ctx.plan
+        envs = {key: {**env, **plan.visible_env(job.workers[key])} for key, env in job.envs.items()}
         pcontext = _te.call_supported(
             _te.start_processes,
             name=job.name,
-            entrypoint=job.entrypoint,
-            args=job.args,
-            envs=job.envs,
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
             logs_specs=job.logs_specs,
             log_line_prefixes=job.log_line_prefixes,
             start_method=job.start_method,
-            numa_options=opts.local.numa_options,
+            numa_options=opts.of(self.name, LocalOptions).numa_options,
             duplicate_stdout_filters=opts.duplicate_stdout_filters,
             duplicate_stderr_filters=opts.duplicate_stderr_filters,
         )
         pids = pcontext.pids()
-        for local_rank, launch in job.workers.items():
-            pin(pids[local_rank], launch.cpus)
+        for key, worker in job.workers.items():
+            pin(pids[key], worker.cpus)
         self._apply_quotas(pids, job.workers)
         return pcontext
 
-    def _apply_quotas(self, pids: Dict[int, int], workers: Dict[int, WorkerLaunch]) -> None:
-        by_group: Dict[str, List[WorkerLaunch]] = {}
-        for launch in workers.values():
-            if launch.cpu_quota is not None:
-                by_group.setdefault(launch.device.group, []).append(launch)
+    def _apply_quotas(self, pids: Dict[int, int], workers: Dict[int, LocalWorker]) -> None:
+        quotas = self.ctx.plan.cpu_quotas
+        by_group: Dict[str, List[tuple]] = {}
+        for key, worker in workers.items():
+            if worker.device.group in quotas:
+                by_group.setdefault(worker.device.group, []).append((pids[key], worker))
         if not by_group:
             return
         if self._quota_mode() == "cgroup":
             if self._cgroups is None:
                 self._cgroups = CgroupQuota(f"{self.ctx.run_id}.{os.getpid()}")
-            for group, launches in by_group.items():
-                self._cgroups.set_quota(group, launches[0].cpu_quota)
-                for launch in launches:
-                    self._cgroups.add(group, pids[launch.local_rank])
+            for group, members in by_group.items():
+                self._cgroups.set_quota(group, quotas[group])
+                for pid, _ in members:
+                    self._cgroups.add(group, pid)
             return
         if self._duty is None:
             self._duty = DutyCycle()
         all_cores = len(os.sched_getaffinity(0))
-        for group, launches in by_group.items():
-            cores = {c for launch in launches for c in launch.cpus}
-            fraction = launches[0].cpu_quota / (len(cores) or all_cores)
-            self._duty.add([pids[launch.local_rank] for launch in launches], fraction)
+        for group, members in by_group.items():
+            cores = {c for _, worker in members for c in worker.cpus}
+            self._duty.add([pid for pid, _ in members], quotas[group] / (len(cores) or all_cores))
 
     def before_stop(self) -> None:
         # A stopped process does not act on SIGTERM: let the workers run before
         # the agent signals them, or a graceful stop would always time out.
         if self._duty is not None:
             self._duty.release()
+
+    def forget_worker(self, pid: int) -> None:
+        if self._duty is not None:
+            self._duty.release([pid])
 
     def shutdown(self) -> None:
         if self._duty is not None:

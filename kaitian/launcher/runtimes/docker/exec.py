@@ -2,7 +2,7 @@
 
 A ``PContext`` (torch's interface for a set of worker processes) whose workers
 run inside containers, so the elastic agent treats them like local processes.
-Each worker is one ``docker exec`` of the plan's wrapper, which records the
+Each worker is one ``docker exec`` of its spec's wrapper, which records the
 worker's in-container pid (its process group). The Engine API cannot kill an
 exec, and killing the exec's client would leave the worker running, so a
 worker is stopped by signalling its process group from inside its container:
@@ -20,13 +20,13 @@ import time
 from typing import IO, TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple
 
 from kaitian._torch import PContext, ProcessFailure, RunProcsResult, call_supported
-from kaitian.launcher.runtimes.docker.plan import ExecPlan, exit_code_from_docker
+from kaitian.launcher.runtimes.docker.specs import ExecSpec
 from kaitian.launcher.runtimes.docker.shell import stop_command
 
 if TYPE_CHECKING:
     from kaitian.launcher.runtimes.base import WorkerStart
 
-__all__ = ["DockerExecContext"]
+__all__ = ["DockerExecContext", "exit_code_from_docker"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,19 @@ _PID_WAIT_S = 5.0
 _KILL_WAIT_S = 10.0
 
 
+def exit_code_from_docker(code: Optional[int]) -> int:
+    """torchrun's exit code (``-N`` for a signal) from the Engine's (``128 + N``).
+
+    The Engine reports a worker killed by signal N as ``128 + N``, which is also
+    what a shell reports, so the mapping is the one users expect from torchrun.
+    """
+    if code is None:
+        return -9
+    if 128 < code < 128 + 65:
+        return -(code - 128)
+    return code
+
+
 class _Exec:
     """One worker's ``docker exec``: started, streamed, and its exit recorded."""
 
@@ -43,14 +56,14 @@ class _Exec:
         self,
         client: object,
         container_id: str,
-        plan: ExecPlan,
+        spec: ExecSpec,
         stdout: str,
         stderr: str,
         prefix: str,
     ) -> None:
         self.client = client
         self.container_id = container_id
-        self.plan = plan
+        self.spec = spec
         self.exec_id: Optional[str] = None
         self.host_pid: Optional[int] = None
         self.exit_code: Optional[int] = None
@@ -61,7 +74,7 @@ class _Exec:
         self._stderr_path = stderr
         self._prefix = prefix.encode()
         self._thread = threading.Thread(
-            target=self._run, name=f"kaitian-docker-exec-{plan.local_rank}", daemon=True
+            target=self._run, name=f"kaitian-docker-exec-{spec.local_rank}", daemon=True
         )
 
     def start(self) -> None:
@@ -115,10 +128,10 @@ class _Exec:
         try:
             created = api.exec_create(
                 self.container_id,
-                list(self.plan.cmd),
-                environment=self.plan.env_list(),
-                workdir=self.plan.workdir,
-                user=self.plan.user,
+                list(self.spec.cmd),
+                environment=self.spec.env_list(),
+                workdir=self.spec.workdir,
+                user=self.spec.user,
             )
             self.exec_id = created["Id"]
             stream = api.exec_start(self.exec_id, stream=True, demux=True)
@@ -136,7 +149,7 @@ class _Exec:
         except BaseException as exc:  # noqa: BLE001 (reported as the worker's failure)
             self.error = exc
             self.exit_code = self.exit_code if self.exit_code is not None else 1
-            logger.error("docker exec of local rank %s failed: %s", self.plan.local_rank, exc)
+            logger.error("docker exec of local rank %s failed: %s", self.spec.local_rank, exc)
         finally:
             out_close()
             err_close()
@@ -183,7 +196,7 @@ class _Exec:
         deadline = time.monotonic() + wait
         while True:
             try:
-                with open(self.plan.pid_file) as f:
+                with open(self.spec.pid_file) as f:
                     return int(f.read().strip())
             except (OSError, ValueError):
                 pass
@@ -206,7 +219,7 @@ class DockerExecContext(PContext):
     Args:
         job: what to run (its entrypoint a binary: the host's python, usually).
         prepare: called once at start with this context; returns each local
-            rank's exec plan and container id.
+            rank's exec spec and container id.
         client: the docker SDK client.
         duplicate_stdout_filters: torchrun's ``--duplicate-stdout-filters``.
         duplicate_stderr_filters: torchrun's ``--duplicate-stderr-filters``.
@@ -215,7 +228,7 @@ class DockerExecContext(PContext):
     def __init__(
         self,
         job: "WorkerStart",
-        prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecPlan, str]]],
+        prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecSpec, str]]],
         client: object,
         duplicate_stdout_filters: Optional[List[str]] = None,
         duplicate_stderr_filters: Optional[List[str]] = None,
@@ -236,17 +249,17 @@ class DockerExecContext(PContext):
     def _start(self) -> None:
         if self._execs:
             raise ValueError("docker exec context started twice")
-        plans = self._prepare(self)
+        specs = self._prepare(self)
         for rank in range(self.nprocs):
-            plan, container_id = plans[rank]
+            spec, container_id = specs[rank]
             try:
-                os.unlink(plan.pid_file)
+                os.unlink(spec.pid_file)
             except FileNotFoundError:
                 pass
             self._execs[rank] = _Exec(
                 self._client,
                 container_id,
-                plan,
+                spec,
                 self.stdouts[rank],
                 self.stderrs[rank],
                 self._prefixes.get(rank, ""),
@@ -296,17 +309,24 @@ class DockerExecContext(PContext):
             result.return_values = dict.fromkeys(range(self.nprocs))
         return result
 
-    def pids(self) -> Dict[int, int]:
-        """Host pids of the workers (``exec_inspect``), falling back to in-container ones."""
-        out = {}
-        for rank, ex in self._execs.items():
-            pid = ex.host_pid or ex.container_pid(wait=0) or -1
-            out[rank] = pid
-        return out
+    def exit_codes(self) -> Dict[int, Optional[int]]:
+        """Each worker's exit code (``None`` while it runs), stopping nobody (``--on-failure continue``)."""
+        now = time.monotonic()
+        if now - self._last_engine_poll > 2.0:
+            self._last_engine_poll = now
+            for ex in self._execs.values():
+                ex.poll_engine()
+        return {rank: (ex.exit_code if ex.exit_code is not None else 1) if ex.done.is_set() else None
+                for rank, ex in self._execs.items()}
 
-    def container_pids(self) -> Dict[int, Optional[int]]:
-        """Each worker's pid inside its container (its process group id)."""
-        return {rank: ex.container_pid(wait=0) for rank, ex in self._execs.items()}
+    def kill(self, rank: int) -> None:
+        """SIGKILLs one worker's process group inside its container."""
+        self._signal([self._execs[rank]], signal.SIGKILL)
+
+    def pids(self) -> Dict[int, int]:
+        """Host pids of the workers (``exec_inspect``); -1 until the Engine reports one
+        (a pid inside a container names another process on the host)."""
+        return {rank: ex.host_pid or -1 for rank, ex in self._execs.items()}
 
     def _signal(self, execs: Iterable[_Exec], sig: signal.Signals) -> None:
         """Signals the workers' process groups from inside their containers.
@@ -319,7 +339,7 @@ class DockerExecContext(PContext):
             pgid = ex.container_pid()
             if pgid is None:
                 continue
-            by_container.setdefault((ex.container_id, ex.plan.user), []).append(pgid)
+            by_container.setdefault((ex.container_id, ex.spec.user), []).append(pgid)
         for (container_id, user), pgids in by_container.items():
             try:
                 api = self._client.api
@@ -336,7 +356,7 @@ class DockerExecContext(PContext):
         for ex in live:
             logger.warning(
                 "Sending worker %s (local rank %s, in container) closing signal %s",
-                ex.host_pid, ex.plan.local_rank, death_sig.name,
+                ex.host_pid, ex.spec.local_rank, death_sig.name,
             )
         self._signal(live, death_sig)
         end = time.monotonic() + timeout
@@ -357,6 +377,6 @@ class DockerExecContext(PContext):
         for ex in self._execs.values():
             ex.join(1.0)
             try:
-                os.unlink(ex.plan.pid_file)
+                os.unlink(ex.spec.pid_file)
             except FileNotFoundError:
                 pass

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, TextIO, Tuple
 
 from kaitian.devices.vendors import VENDORS
+from kaitian.launcher.runtimes.docker.paths import outermost
 from kaitian.errors import DockerOptionError, ImageBuildError, ImageNotFoundError
 from kaitian.launcher.runtimes.docker.labels import LABEL_HOST_MOUNTS, LABEL_PYTHON
 from kaitian.launcher.runtimes.docker.options import Mount, parse_volume
@@ -137,11 +138,7 @@ def host_mounts() -> List[str]:
 
     paths.append(os.path.dirname(os.path.dirname(os.path.abspath(kaitian.__file__))))
     # Drop paths inside another listed path.
-    unique = sorted(set(paths), key=len)
-    kept: List[str] = []
-    for p in unique:
-        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept):
-            kept.append(p)
+    kept = outermost(paths)
     for p in kept:
         if "," in p or " " in p:
             raise ImageBuildError(f"cannot mount {p!r} into the cpu-host image: commas and spaces are not supported")

@@ -141,3 +141,14 @@ class DockerOptions:
             shm_size=shm_size or "2g",
             user=parse_user(container_user),
         )
+
+    @classmethod
+    def from_args(cls, args: object, config: object) -> "DockerOptions":
+        """The docker options from kaitianrun's parsed flags (checked: ``from_flags``)."""
+        return cls.from_flags(
+            images=args.image,
+            keep_containers=args.keep_containers,
+            volumes=args.volume,
+            shm_size=args.shm_size,
+            container_user=args.container_user,
+        )

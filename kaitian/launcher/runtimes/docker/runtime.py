@@ -12,7 +12,7 @@ the agent's stdin attach, so when the agent dies (even by SIGKILL) the
 engine closes it, the container stops, its workers die with its pid
 namespace, and the engine removes it (``shell.MAIN_TIED``).
 
-What to create is decided in ``plan`` (pure); this module carries it out:
+What to create is decided in ``specs`` (pure); this module carries it out:
 the engine connection is ``client``, image labels ``images``, workers as
 ``docker exec`` processes ``exec``.
 """
@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
 from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
-from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerLaunch, WorkerStart
+from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.rundir import record_pid_namespace
 from kaitian.launcher.runtimes.docker.client import (
     connect, find_one, is_not_found, list_containers, pid_namespace_of, remove_container,
@@ -47,8 +48,9 @@ from kaitian.launcher.runtimes.docker.labels import (
     owner_alive,
 )
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
-from kaitian.launcher.runtimes.docker.plan import (
-    NOBODY, ContainerPlan, ExecPlan, choose_user, image_for, plan_container, plan_exec,
+from kaitian.launcher.runtimes.docker.paths import inside
+from kaitian.launcher.runtimes.docker.specs import (
+    ContainerSpec, ExecSpec, choose_user, container_spec, exec_spec, image_for,
 )
 from kaitian.settings import Settings
 
@@ -95,7 +97,7 @@ class DockerRuntime(Runtime):
     """Runs each group's workers in its own container.
 
     Args:
-        ctx: the node's run context (``ctx.options.docker``: images, mounts,
+        ctx: the node's run context (its ``DockerOptions``: images, mounts,
             ``--keep-containers``, ``--shm-size``, ``--container-user``).
         client: a docker SDK client (tests); built from the environment if ``None``.
     """
@@ -104,7 +106,7 @@ class DockerRuntime(Runtime):
 
     def __init__(self, ctx: RunContext, client: object = None) -> None:
         super().__init__(ctx)
-        self.options: DockerOptions = ctx.options.docker
+        self.options: DockerOptions = ctx.options.of(self.name, DockerOptions)
         self._client = client
         self._connected = False
         self._agent = agent_identity()
@@ -123,13 +125,7 @@ class DockerRuntime(Runtime):
 
     def _worker_user(self) -> str:
         st = os.stat(self.ctx.cwd)
-        user = choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
-        if user == NOBODY and not self.options.user:
-            logger.warning(
-                "docker: workers run as nobody (65534): the agent is root and so is the owner of %s; "
-                "pass --container-user UID[:GID] (or root) to choose", self.ctx.cwd,
-            )
-        return user
+        return choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
 
     @property
     def _hands_over(self) -> bool:
@@ -154,7 +150,7 @@ class DockerRuntime(Runtime):
         for w in workers.values():
             self._image(image_for(w.device.group, w.device.type, self.options.images))
 
-        def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecPlan, str]]:
+        def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecSpec, str]]:
             return self._prepare(pc, entrypoint, workers, logs_specs)
 
         pc = DockerExecContext(
@@ -166,6 +162,12 @@ class DockerRuntime(Runtime):
         )
         pc.start()
         return pc
+
+    def exit_codes(self, pcontext: PContext) -> Dict[int, Optional[int]]:
+        return pcontext.exit_codes()
+
+    def kill_worker(self, pcontext: PContext, key: int) -> None:
+        pcontext.kill(key)
 
     def shutdown(self) -> None:
         """Removes this run's containers unless ``--keep-containers``. Idempotent."""
@@ -264,7 +266,7 @@ class DockerRuntime(Runtime):
         for path in pc.error_files.values():
             if path and path != os.devnull:
                 d = os.path.dirname(os.path.abspath(path))
-                if not any(d == m or d.startswith(m.rstrip("/") + "/") for m in dirs):
+                if not any(inside(d, m) for m in dirs):
                     dirs.add(d)
         if self.ctx.log_dir:
             dirs.add(os.path.abspath(self.ctx.log_dir))
@@ -285,17 +287,17 @@ class DockerRuntime(Runtime):
         run_dir = os.path.abspath(self.ctx.run_dir)
         paths = {run_dir, pid_dir}
         for env in pc.envs.values():
-            if env.get("KAITIAN_RUN_DIR"):
-                paths.add(os.path.abspath(env["KAITIAN_RUN_DIR"]))
-            monitor_dir = Settings.from_env(env).monitor_dir
-            if monitor_dir:
-                paths.add(os.path.abspath(os.path.join(self.ctx.cwd, monitor_dir)))
+            given = Settings.from_env(env)
+            if given.run_dir:
+                paths.add(os.path.abspath(given.run_dir))
+            if given.monitor_dir:
+                paths.add(os.path.abspath(os.path.join(self.ctx.cwd, given.monitor_dir)))
         roots = [run_dir, *log_dirs]
         for path in pc.error_files.values():
             if not path or path == os.devnull:
                 continue
             d = os.path.dirname(os.path.abspath(path))
-            while any(d.startswith(r.rstrip("/") + "/") for r in roots):
+            while any(d != r and inside(d, r) for r in roots):
                 paths.add(d)
                 d = os.path.dirname(d)
         return sorted(paths)
@@ -304,22 +306,23 @@ class DockerRuntime(Runtime):
         self,
         pc: DockerExecContext,
         entrypoint: str,
-        workers: Dict[int, WorkerLaunch],
+        workers: Dict[int, LocalWorker],
         logs_specs: LogsSpecs,
-    ) -> Dict[int, Tuple[ExecPlan, str]]:
-        groups: Dict[str, List[WorkerLaunch]] = {}
+    ) -> Dict[int, Tuple[ExecSpec, str]]:
+        groups: Dict[str, List[LocalWorker]] = {}
         for rank in sorted(workers):
             groups.setdefault(workers[rank].device.group, []).append(workers[rank])
         log_dirs = self._log_dirs(pc, logs_specs)
         state_dir = self._state_dir()
         cwd = os.path.abspath(self.ctx.cwd)
-        plans: Dict[str, ContainerPlan] = {}
+        containers: Dict[str, ContainerSpec] = {}
         for group, members in groups.items():
             ref = image_for(group, members[0].device.type, self.options.images)
-            plans[group] = plan_container(
+            containers[group] = container_spec(
                 group=group,
                 workers=members,
                 image=ref,
+                cpu_quota=self.ctx.plan.cpu_quotas.get(group),
                 run_id=self.ctx.run_id,
                 run_dir=state_dir,
                 cwd=cwd,
@@ -335,39 +338,39 @@ class DockerRuntime(Runtime):
         os.makedirs(pid_dir, mode=0o700, exist_ok=True)
         if self._hands_over:
             _grant(self._writable(pc, pid_dir, log_dirs), self.user)
-        for group, plan in plans.items():
-            self._containers[group] = self._ensure(plan)
+        for group, container in containers.items():
+            self._containers[group] = self._ensure(container)
 
         host_python = {sys.executable, os.path.abspath(sys.executable), os.path.realpath(sys.executable)}
-        out: Dict[int, Tuple[ExecPlan, str]] = {}
+        out: Dict[int, Tuple[ExecSpec, str]] = {}
         for rank, w in workers.items():
-            plan = plans[w.device.group]
-            ex = plan_exec(
+            container = containers[w.device.group]
+            ex = exec_spec(
                 worker=w,
-                container=plan,
+                container=container,
                 entrypoint=entrypoint,
                 args=pc.args[rank],
                 # Like torch's local subprocesses, workers inherit the agent's
-                # environment under the variables the agent set.
-                env={**os.environ, **pc.envs[rank]},
+                # environment under the variables the agent set, and see the container's devices.
+                env={**os.environ, **pc.envs[rank], **self.ctx.plan.visible_env(w, container.devices)},
                 cwd=cwd,
-                pid_file=os.path.join(pid_dir, f"{rank}.pid"),
+                pid_file=os.path.join(pid_dir, f"{w.local_rank}.pid"),  # a worker restarted alone is key 0
                 host_python=sorted(host_python),
-                image_python=self._image(plan.image).python,
+                image_python=self._image(container.image).python,
             )
             out[rank] = (ex, self._containers[w.device.group])
         return out
 
-    def _ensure(self, plan: ContainerPlan) -> str:
-        """The id of a running container matching ``plan``: reused or created."""
+    def _ensure(self, spec: ContainerSpec) -> str:
+        """The id of a running container matching ``spec``: reused or created."""
         client = self.client
-        labels = plan.labels
+        labels = spec.labels
         if self.options.keep_containers:
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)}
         else:
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)}
         found = find_one(client, key)
-        if found is not None and (found.labels.get(LABEL_SPEC) != plan.spec or (plan.tied and found.id not in self._ties)):
+        if found is not None and (found.labels.get(LABEL_SPEC) != spec.digest or (spec.tied and found.id not in self._ties)):
             logger.info("container %s no longer matches its group; recreating it", found.name)
             remove_container(found)
             found = None
@@ -378,20 +381,20 @@ class DockerRuntime(Runtime):
             return found.id
         import docker.errors
 
-        logger.info("creating container %s", plan.describe())
+        logger.info("creating container %s", spec.describe())
         try:
-            container = client.containers.create(**plan.create_kwargs())
+            container = client.containers.create(**spec.create_kwargs())
         except docker.errors.ImageNotFound:
             raise ImageNotFoundError(
-                f"docker image {plan.image!r} not found on this host: build it (kaitian images build) "
-                f"or choose another with --image {plan.group}=IMAGE"
+                f"docker image {spec.image!r} not found on this host: build it (kaitian images build) "
+                f"or choose another with --image {spec.group}=IMAGE"
             ) from None
         except docker.errors.APIError as exc:
             raise DockerRuntimeError(
-                f"cannot create the container for group {plan.group!r}: {exc.explanation or exc}"
+                f"cannot create the container for group {spec.group!r}: {exc.explanation or exc}"
             ) from None
         try:
-            if plan.tied:
+            if spec.tied:
                 # Attached before it starts (as docker run -i): its stdin closes
                 # when this process exits, however it exits.
                 self._ties[container.id] = client.api.attach_socket(
@@ -407,7 +410,7 @@ class DockerRuntime(Runtime):
                 hint = ("; install the NVIDIA container toolkit and configure docker for it "
                         "(nvidia-ctk runtime configure --runtime=docker, then restart dockerd)")
             raise DockerRuntimeError(
-                f"cannot start the container for group {plan.group!r} ({plan.image}): {why}{hint}"
+                f"cannot start the container for group {spec.group!r} ({spec.image}): {why}{hint}"
             ) from None
         pid_ns = pid_namespace_of(container)
         if pid_ns:

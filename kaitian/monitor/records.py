@@ -4,7 +4,7 @@ When ``KAITIAN_MONITOR_DIR`` is set, :class:`kaitian.DistributedDataParallel`
 appends one JSON line per synchronised step to ``<dir>/rank-<rank>.jsonl``
 (samples, step / compute / communication / wait time, throughput) and the
 :class:`kaitian.Rebalancer` one line per re-balancing round
-(``"kind": "rebalance"``). The agent side (:mod:`kaitian.launcher.monitor`)
+(``"kind": "rebalance"``). The agent side (:mod:`kaitian.monitor.agent`)
 reads them for its report.
 """
 

@@ -2,10 +2,10 @@
 
 import time
 
-from kaitian.launcher.monitor import AgentMonitor, split_wait
+from kaitian.monitor.agent import AgentMonitor, split_wait
 from kaitian.training.ddp import StepTiming
 from kaitian.training.rebalance import RebalanceDecision
-from kaitian.training.steps import StepRecorder
+from kaitian.monitor.records import StepRecorder
 
 
 def test_wait_is_separated_from_communication_and_rounds_are_reported(tmp_path):

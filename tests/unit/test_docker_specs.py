@@ -1,5 +1,5 @@
-"""The docker runtime's planning step, with no Docker engine: what containers and
-execs would be made from a run's workers and options."""
+"""The docker runtime's specs, with no Docker engine: what containers and execs
+would be made from a run's workers and options."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from kaitian.errors import DockerOptionError
 from kaitian.devices.device import WorkerDevice
-from kaitian.launcher.runtimes.base import WorkerLaunch
+from kaitian.launcher.plan import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_PID,
     LABEL_GROUP,
@@ -24,24 +24,24 @@ from kaitian.launcher.runtimes.docker.labels import (
     AgentIdentity,
 )
 from kaitian.launcher.runtimes.docker.options import DockerOptions, Mount, parse_volume
-from kaitian.launcher.runtimes.docker.plan import (
-    NOBODY,
+from kaitian.launcher.runtimes.docker.exec import exit_code_from_docker
+from kaitian.launcher.runtimes.docker.specs import (
     choose_user,
-    exit_code_from_docker,
+    container_spec,
+    exec_spec,
     image_for,
-    plan_container,
-    plan_exec,
 )
 from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT, stop_command
 
 AGENT = AgentIdentity(host="node0", pid=4242, start="12345")
 
 
-def _plan(workers, *, options=DockerOptions(), log_dirs=("/logs",), **kw):
-    return plan_container(
+def _container(workers, *, options=DockerOptions(), log_dirs=("/logs",), cpu_quota=None, **kw):
+    return container_spec(
         group=workers[0].device.group,
         workers=workers,
         image=kw.pop("image", "kaitian:cpu"),
+        cpu_quota=cpu_quota,
         run_id="run-1",
         run_dir="/tmp/kaitian-0",
         cwd="/home/u/proj",
@@ -84,7 +84,8 @@ def test_options_from_flags_checks_values():
 
 def test_runtime_options_are_typed_and_built_once_from_the_command_line():
     from kaitian.launcher.cli import build_parser
-    from kaitian.launcher.runtimes.options import RuntimeOptions, options_from_args
+    from kaitian.launcher.runtimes import RuntimeOptions, options_from_args
+    from kaitian.launcher.runtimes.local import LocalOptions
 
     args = build_parser().parse_args(["--runtime", "docker", "--image", "cpu=x:1", "-v", "/d:/e:ro",
                                       "--container-user", "root", "--keep-containers", "t.py"])
@@ -92,9 +93,10 @@ def test_runtime_options_are_typed_and_built_once_from_the_command_line():
                                  "numa_options": None})()
     opts = options_from_args(args, config)
     assert isinstance(opts, RuntimeOptions) and opts.duplicate_stdout_filters == ["a"]
-    assert opts.docker == DockerOptions(images={"cpu": "x:1"}, keep_containers=True,
-                                        volumes=(Mount("/d", "/e", True),), user="0:0")
-    assert opts.local.numa_options is None
+    assert opts.of("docker", DockerOptions) == DockerOptions(images={"cpu": "x:1"}, keep_containers=True,
+                                                             volumes=(Mount("/d", "/e", True),), user="0:0")
+    assert opts.of("local", LocalOptions).numa_options is None
+    assert RuntimeOptions().of("docker", DockerOptions) == DockerOptions()  # a runtime's defaults
 
 
 def test_image_for_prefers_group_then_vendor_then_table():
@@ -108,11 +110,11 @@ def test_image_for_prefers_group_then_vendor_then_table():
 
 def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     workers = [
-        WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0, 1), 1.5),
-        WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "cpu0"), (2, 3), 1.5),
+        LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0, 1)),
+        LocalWorker(1, WorkerDevice("cpu", 1, "cpu0"), (2, 3)),
     ]
-    plan = _plan(workers)
-    kw = plan.create_kwargs()
+    container = _container(workers, cpu_quota=1.5)
+    kw = container.create_kwargs()
     assert kw["cpuset_cpus"] == "0-3"
     assert kw["cpu_quota"] == 150_000 and kw["cpu_period"] == 100_000
     assert kw["network_mode"] == "host" and kw["ipc_mode"] == "host"
@@ -122,8 +124,8 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     assert "device_requests" not in kw and kw["devices"] == []
     assert kw["cpu_shares"] == 2048  # two workers weigh as two local processes
     assert "cgroup_parent" not in kw
-    nested = _plan(workers, cgroup_parent="/")
-    assert nested.create_kwargs()["cgroup_parent"] == "/" and nested.spec != plan.spec
+    nested = _container(workers, cpu_quota=1.5, cgroup_parent="/")
+    assert nested.create_kwargs()["cgroup_parent"] == "/" and nested.digest != container.digest
     labels = kw["labels"]
     assert labels[LABEL_RUN_ID] == "run-1" and labels[LABEL_VENDOR] == "cpu"
     assert labels[LABEL_GROUP] == "cpu0" and labels[LABEL_AGENT_PID] == "4242"
@@ -135,47 +137,45 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
 
 
 def test_unpinned_workers_leave_container_unpinned():
-    plan = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu"), (), None)])
-    kw = plan.create_kwargs()
+    container = _container([LocalWorker(0, WorkerDevice("cpu", 0, "cpu"))])
+    kw = container.create_kwargs()
     assert "cpuset_cpus" not in kw and "cpu_quota" not in kw
 
 
-def test_group_must_be_one_vendor_and_one_quota():
+def test_group_must_be_one_vendor():
     with pytest.raises(DockerOptionError, match="mixes"):
-        _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "g")), WorkerLaunch(1, 1, WorkerDevice("cuda", 0, "g"))])
-    with pytest.raises(DockerOptionError, match="quotas"):
-        _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "g"), (0,), 1.0), WorkerLaunch(1, 1, WorkerDevice("cpu", 1, "g"), (1,), 2.0)])
+        _container([LocalWorker(0, WorkerDevice("cpu", 0, "g")), LocalWorker(1, WorkerDevice("cuda", 0, "g"))])
 
 
-def test_user_volumes_and_image_mounts_and_spec_hash():
-    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
-    base = _plan(w)
-    user = _plan(w, options=DockerOptions(volumes=(Mount("/data", "/data", True),)),
+def test_user_volumes_and_image_mounts_and_digest():
+    w = [LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))]
+    base = _container(w)
+    user = _container(w, options=DockerOptions(volumes=(Mount("/data", "/data", True),)),
                  image_mounts=(Mount("/usr", "/usr", True),))
     targets = {m.target: m for m in user.mounts}
     assert targets["/data"].read_only and targets["/usr"].read_only
-    assert base.spec != user.spec  # a different shape is never reused
-    assert _plan(w).spec == base.spec  # the same shape is
-    assert base.labels[LABEL_SPEC] == base.spec
+    assert base.digest != user.digest  # a different shape is never reused
+    assert _container(w).digest == base.digest  # the same shape is
+    assert base.labels[LABEL_SPEC] == base.digest
 
 
 def test_keep_containers_are_named_by_shape_not_run():
-    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
-    kept = _plan(w, options=DockerOptions(keep_containers=True))
+    w = [LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))]
+    kept = _container(w, options=DockerOptions(keep_containers=True))
     assert kept.labels[LABEL_KEEP] == "1"
     kw = kept.create_kwargs()
     assert kw["command"] == list(MAIN_KEPT) and not kw["auto_remove"] and not kw["stdin_open"]
-    assert kept.name == f"kaitian-cpu0-{kept.spec[:12]}"
-    assert _plan(w).name == "kaitian-run-1-cpu0-4242"
+    assert kept.name == f"kaitian-cpu0-{kept.digest[:12]}"
+    assert _container(w).name == "kaitian-run-1-cpu0-4242"
 
 
-def test_plan_exec_maps_host_python_and_keeps_job_env():
-    w = WorkerLaunch(1, 5, WorkerDevice("cpu", 1, "cpu1"), (2, 3), None)
-    container = _plan([w], user="1000:1000")
+def test_exec_spec_maps_host_python_and_keeps_job_env():
+    w = LocalWorker(1, WorkerDevice("cpu", 1, "cpu1"), (2, 3))
+    container = _container([w], user="1000:1000")
     env = {"PATH": "/h", "LD_LIBRARY_PATH": "/h/lib", "RANK": "5", "KAITIAN_GROUP": "cpu1",
            "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500", "PYENV_VERSION": "3.11", "HOME": "/root",
            "VIRTUAL_ENV": "/venv"}
-    ex = plan_exec(worker=w, container=container, entrypoint="/host/bin/python3", args=("-u", "train.py", 3),
+    ex = exec_spec(worker=w, container=container, entrypoint="/host/bin/python3", args=("-u", "train.py", 3),
                    env=env, cwd="/home/u/proj", pid_file="/tmp/kaitian-0/1.pid",
                    host_python=["/host/bin/python3"], image_python="python3")
     assert ex.cmd[:3] == ("sh", "-c", WRAPPER_SCRIPT)
@@ -184,7 +184,7 @@ def test_plan_exec_maps_host_python_and_keeps_job_env():
                       "HOME": "/tmp"}  # HOME: the container's private tmpfs
     assert ex.user == "1000:1000" and ex.workdir == "/home/u/proj"
     assert "RANK=5" in ex.env_list()
-    other = plan_exec(worker=w, container=container, entrypoint="/opt/bin/tool", args=(), env={"TMPDIR": "/elsewhere"},
+    other = exec_spec(worker=w, container=container, entrypoint="/opt/bin/tool", args=(), env={"TMPDIR": "/elsewhere"},
                       cwd="/", pid_file="/p", host_python=["/host/bin/python3"])
     assert other.cmd[5] == "/opt/bin/tool" and "TMPDIR" not in other.env
 
@@ -246,22 +246,22 @@ def test_wrapper_records_pid_pins_and_makes_a_process_group(tmp_path):
 
 
 def test_directories_inside_mounted_ones_are_not_mounted_again():
-    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
-    plan = _plan(w, log_dirs=("/tmp/kaitian-0/run.123/logs", "/var/log/job"))
-    targets = [m.target for m in plan.mounts]
+    w = [LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))]
+    container = _container(w, log_dirs=("/tmp/kaitian-0/run.123/logs", "/var/log/job"))
+    targets = [m.target for m in container.mounts]
     assert targets == ["/home/u/proj", "/tmp/kaitian-0", "/var/log/job"]
     # so a later run (new run directory, new log directory) has the same shape
-    assert _plan(w, log_dirs=("/tmp/kaitian-0/run.456/logs", "/var/log/job")).spec == plan.spec
+    assert _container(w, log_dirs=("/tmp/kaitian-0/run.456/logs", "/var/log/job")).digest == container.digest
 
 
 def test_mounts_are_exactly_the_run_directories_never_a_parent():
     """--log-dir /tmp/x mounts /tmp/x (not the host's /tmp); nothing else of
     the host is visible but the image's read-only mounts and user volumes."""
-    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
-    plan = plan_container(group="cpu0", workers=w, image="kaitian:cpu", run_id="r", run_dir="/tmp/kaitian-0/r.1.abc",
-                          cwd="/home/u/proj", log_dirs=("/tmp/x",), options=DockerOptions(), agent=AGENT,
-                          image_mounts=(Mount("/usr", "/usr", True),))
-    mounts = {m.target: m for m in plan.mounts}
+    w = [LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))]
+    container = container_spec(group="cpu0", workers=w, image="kaitian:cpu", cpu_quota=None, run_id="r",
+                               run_dir="/tmp/kaitian-0/r.1.abc", cwd="/home/u/proj", log_dirs=("/tmp/x",),
+                               options=DockerOptions(), agent=AGENT, image_mounts=(Mount("/usr", "/usr", True),))
+    mounts = {m.target: m for m in container.mounts}
     assert sorted(mounts) == ["/home/u/proj", "/tmp/kaitian-0/r.1.abc", "/tmp/x", "/usr"]
     assert all(m.source == m.target for m in mounts.values())
     assert mounts["/usr"].read_only and not mounts["/tmp/x"].read_only
@@ -269,26 +269,33 @@ def test_mounts_are_exactly_the_run_directories_never_a_parent():
 
 
 def test_the_root_directory_is_never_mounted():
-    w = [WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)]
+    w = [LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))]
     with pytest.raises(DockerOptionError, match="not /"):
-        plan_container(group="cpu0", workers=w, image="i", run_id="r", run_dir="/tmp/kaitian-0/r", cwd="/",
-                       log_dirs=(), options=DockerOptions(), agent=AGENT)
+        container_spec(group="cpu0", workers=w, image="i", cpu_quota=None, run_id="r", run_dir="/tmp/kaitian-0/r",
+                       cwd="/", log_dirs=(), options=DockerOptions(), agent=AGENT)
 
 
-@pytest.mark.parametrize("user,caps", [("1000:1000", []), (NOBODY, []), ("0:0", ["DAC_OVERRIDE"])])
-def test_containers_are_hardened(user, caps):
-    kw = _plan([WorkerLaunch(0, 0, WorkerDevice("cpu", 0, "cpu0"), (0,), None)], user=user).create_kwargs()
+@pytest.mark.parametrize("user,asked,caps", [
+    ("1000:1000", None, []),  # a user's agent, or sudo in a user's project
+    ("0:0", None, []),  # a root agent in a root-owned directory: root, gaining nothing
+    ("0:0", "root", ["DAC_OVERRIDE"]),  # --container-user root: writes a user agent's directories
+])
+def test_containers_are_hardened(user, asked, caps):
+    options = DockerOptions.from_flags(container_user=asked)
+    kw = _container([LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))],
+               options=options, user=user).create_kwargs()
     assert kw["cap_drop"] == ["ALL"] and kw["cap_add"] == caps
     assert kw["security_opt"] == ["no-new-privileges"]
     assert kw["read_only"] is True and list(kw["tmpfs"]) == ["/tmp"]
     assert kw["user"] == user and kw["privileged"] is False
 
 
-def test_worker_user_is_non_root_unless_asked():
+def test_worker_user_is_the_agent_unless_asked():
     assert choose_user(None, 1000, 1001, (0, 0)) == "1000:1001"  # a user's agent: that user
     assert choose_user(None, 0, 0, (1000, 100)) == "1000:100"  # sudo in a user's project: its owner
-    assert choose_user(None, 0, 0, (0, 0)) == NOBODY  # root everywhere: still not root
-    assert choose_user("0:0", 1000, 1000, (1000, 1000)) == "0:0"  # root only when asked
+    assert choose_user(None, 0, 0, (0, 0)) == "0:0"  # root in root's directory: the agent, as local workers
+    assert choose_user("0:0", 1000, 1000, (1000, 1000)) == "0:0"  # root for a user's agent only when asked
+    assert choose_user("5:6", 0, 0, (0, 0)) == "5:6"
 
 
 def test_run_path_entrypoint_becomes_python_in_the_container(tmp_path):
@@ -305,3 +312,11 @@ def test_run_path_entrypoint_becomes_python_in_the_container(tmp_path):
     assert out.read_text() == repr([str(script), "--lr", "0.1"])
     with pytest.raises(DockerOptionError, match="not Python functions"):
         _as_binary(print, {0: ()})
+
+
+def test_path_containment_is_by_component_not_by_prefix():
+    from kaitian.launcher.runtimes.docker.paths import inside, outermost
+
+    assert inside("/a/b", "/a") and inside("/a", "/a") and inside("/a/b", "/a/")
+    assert not inside("/ab", "/a") and not inside("/a", "/a/b")
+    assert sorted(outermost(["/a/b/c", "/x", "/a", "/ab", "/a/b"])) == ["/a", "/ab", "/x"]

@@ -1,10 +1,10 @@
 """The agent side of ``kaitianrun --monitor``: utilisation sampling and the run's report.
 
 The workers write one JSON line per step (and per re-balancing round) to
-``<dir>/rank-<rank>.jsonl`` (:mod:`kaitian.training.steps`).
+``<dir>/rank-<rank>.jsonl`` (:mod:`kaitian.monitor.records`).
 :class:`AgentMonitor` samples each worker's CPU use (psutil, the worker and
 its children) and accelerator utilisation
-(:func:`kaitian.devices.utilisation.device_utilisation`) every ``interval``
+(:func:`kaitian.devices.vendors.utilisation`) every ``interval``
 seconds into ``<dir>/utilisation.jsonl``; at the end :meth:`AgentMonitor.report`
 writes ``monitor.png`` and ``summary.txt``.
 
@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from kaitian.devices.utilisation import device_utilisation
-from kaitian.training.steps import read_jsonl
+from kaitian.devices.vendors import utilisation
+from kaitian.monitor.records import read_jsonl
 
 __all__ = ["AgentMonitor", "split_wait"]
 
@@ -104,7 +104,7 @@ class AgentMonitor:
 
         with self._lock:
             pids, devices = dict(self._pids), dict(self._devices)
-        accel = device_utilisation({d.split(":")[0] for d in devices.values()})
+        accel = utilisation({d.split(":")[0] for d in devices.values()})
         now = time.time()
         samples = []
         for rank, pid in sorted(pids.items()):

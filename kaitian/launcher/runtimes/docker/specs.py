@@ -1,16 +1,16 @@
 """What the docker runtime will do, decided without touching a daemon.
 
 The docker runtime is split in two (as torchx's docker scheduler is): this
-module turns a run's workers and options into plain dataclasses describing one
-container per kaitian group and one ``docker exec`` per worker; ``runtime``
+module turns a run's workers and options into specs, plain dataclasses describing
+one container per kaitian group and one ``docker exec`` per worker; ``runtime``
 carries them out with the docker SDK. Everything here is pure, so it is unit
 tested without an engine.
 
 Every container is hardened the same way: all capabilities dropped (root,
-only when asked for, keeps ``DAC_OVERRIDE`` to write the agent's owner-only
-directories), ``no-new-privileges``, a read-only root file system with a
-private ``/tmp``, a non-root user, and bind mounts of exactly the directories
-the run needs. Host network and IPC stay: the rendezvous and the
+only when asked for with ``--container-user root``, keeps ``DAC_OVERRIDE`` to
+write the agent's owner-only directories), ``no-new-privileges``, a read-only
+root file system with a private ``/tmp``, the agent's own identity (never more
+than the agent has), and bind mounts of exactly the directories the run needs. Host network and IPC stay: the rendezvous and the
 shared-memory bridge between groups need them.
 """
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from kaitian.devices.inventory import format_cpulist
-from kaitian.devices.vendors import VENDORS
+from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
 from kaitian.errors import DockerOptionError
-from kaitian.devices.container import container_devices
 from kaitian.devices.device import ContainerDevices
+from kaitian.launcher.plan import LocalWorker
 from kaitian.launcher.runtimes.docker.environment import worker_env
 from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_HOST,
@@ -42,23 +42,20 @@ from kaitian.launcher.runtimes.docker.labels import (
     AgentIdentity,
 )
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
+from kaitian.launcher.runtimes.docker.paths import outermost
 from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT
 
 __all__ = [
-    "ContainerPlan",
-    "ExecPlan",
-    "NOBODY",
+    "ContainerSpec",
+    "ExecSpec",
     "choose_user",
     "image_for",
-    "plan_container",
-    "plan_exec",
-    "exit_code_from_docker",
+    "container_spec",
+    "exec_spec",
 ]
 
-# The fallback worker user when nothing better is known (see choose_user).
-NOBODY = "65534:65534"
 # Capabilities root keeps when asked for (--container-user root): writing into
-# the agent's owner-only run and log directories. Non-root workers keep none.
+# the agent's owner-only run and log directories. Other workers keep none.
 ROOT_CAPABILITIES = ("DAC_OVERRIDE",)
 # The private, writable /tmp of the read-only container (HOME points there).
 TMPFS = {"/tmp": "rw,nosuid,nodev,mode=1777"}
@@ -67,7 +64,7 @@ _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 
 
 @dataclass(frozen=True)
-class ContainerPlan:
+class ContainerSpec:
     """One container for one kaitian group on this node.
 
     Attributes:
@@ -79,6 +76,7 @@ class ContainerPlan:
         mounts: bind mounts, host paths at identical container paths.
         devices: the group's devices as the container holds them.
         user: ``uid:gid`` of the container's processes (workers included).
+        capabilities: the capabilities the container keeps (all others are dropped).
         tied: the container lives only as long as its agent (its main process
             reads the agent's stdin attach, and the engine removes it when it
             stops); ``--keep-containers`` containers are not tied.
@@ -87,9 +85,9 @@ class ContainerPlan:
         cpu_shares: CPU weight: 1024 per worker, so under contention the
             group's workers weigh what as many local processes would.
         cgroup_parent: cgroup to create the container's cgroup in (``None``:
-            the engine's default); see ``plan_container``.
+            the engine's default); see ``container_spec``.
         shm_size: ``--shm-size``.
-        spec: hash of everything above that shapes the container, so a
+        digest: hash of everything above that shapes the container, so a
             container is reused only when it matches.
     """
 
@@ -100,21 +98,17 @@ class ContainerPlan:
     labels: Mapping[str, str]
     mounts: Tuple[Mount, ...]
     devices: ContainerDevices = field(default_factory=ContainerDevices)
-    user: str = NOBODY
+    user: str = ROOT_USER
+    capabilities: Tuple[str, ...] = ()
     tied: bool = True
     cpuset: Optional[str] = None
     cpu_quota: Optional[float] = None
     cpu_shares: int = 1024
     cgroup_parent: Optional[str] = None
     shm_size: str = "2g"
-    spec: str = ""
+    digest: str = ""
 
     CPU_PERIOD_US = 100_000
-
-    @property
-    def capabilities(self) -> Tuple[str, ...]:
-        """The capabilities the container keeps (all others are dropped)."""
-        return ROOT_CAPABILITIES if self.user == ROOT_USER else ()
 
     def create_kwargs(self) -> Dict[str, object]:
         """Keyword arguments for ``client.containers.create`` (docker SDK).
@@ -171,7 +165,7 @@ class ContainerPlan:
 
 
 @dataclass(frozen=True)
-class ExecPlan:
+class ExecSpec:
     """One worker as a ``docker exec`` into its group's container.
 
     Attributes:
@@ -200,18 +194,16 @@ class ExecPlan:
 def choose_user(requested: Optional[str], agent_uid: int, agent_gid: int, cwd_owner: Tuple[int, int]) -> str:
     """The ``uid:gid`` workers run as.
 
-    ``--container-user`` if given; else the agent's own user when it is not
-    root (workers then own their files exactly as local workers do); else,
-    for a root agent, the owner of the working directory (``sudo kaitianrun``
-    in a user's project); else ``nobody``. Root only when asked for.
+    ``--container-user`` if given; else, for a root agent in a user's project
+    (``sudo kaitianrun``), the owner of the working directory; else the agent's
+    own identity, so workers write where local workers would (a root agent in a
+    root-owned directory: root, with every capability dropped).
     """
     if requested:
         return requested
-    if agent_uid != 0:
-        return f"{agent_uid}:{agent_gid}"
-    if cwd_owner[0] != 0:
+    if agent_uid == 0 and cwd_owner[0] != 0:
         return f"{cwd_owner[0]}:{cwd_owner[1]}"
-    return NOBODY
+    return f"{agent_uid}:{agent_gid}"
 
 
 def image_for(group: str, vendor: str, images: Mapping[str, str]) -> str:
@@ -232,32 +224,30 @@ def _sanitize(text: str) -> str:
     return _NAME_UNSAFE.sub("-", text).strip("-.") or "x"
 
 
-def _inside(path: str, parent: str) -> bool:
-    return path == parent or path.startswith(parent.rstrip("/") + "/")
-
-
-def plan_container(
+def container_spec(
     *,
     group: str,
-    workers: Sequence["object"],
+    workers: Sequence[LocalWorker],
     image: str,
+    cpu_quota: Optional[float],
     run_id: str,
     run_dir: str,
     cwd: str,
     log_dirs: Iterable[str],
     options: DockerOptions,
     agent: AgentIdentity,
-    user: str = NOBODY,
+    user: str = ROOT_USER,
     image_mounts: Iterable[Mount] = (),
     device_nodes: Optional[Iterable[str]] = None,
     cgroup_parent: Optional[str] = None,
-) -> ContainerPlan:
-    """Plans the container of one group.
+) -> ContainerSpec:
+    """The container of one group.
 
     Args:
         group: the kaitian group.
-        workers: the group's ``WorkerLaunch`` entries (same device type).
+        workers: the group's workers (same device type).
         image: image reference for the group.
+        cpu_quota: the CPU time the group's workers share, in cores (``None``: no limit).
         run_id: the rendezvous run id.
         run_dir: the directory holding the node's run state (mounted at the
             same path): the run directory itself, or for kept containers the
@@ -277,26 +267,21 @@ def plan_container(
             local workers do.
 
     Returns:
-        The container plan.
+        The container's spec.
 
     Raises:
-        DockerOptionError: the group mixes device types or CPU quotas, or a
-            directory to mount is ``/``.
+        DockerOptionError: the group mixes device types, or a directory to mount is ``/``.
         DeviceSelectionError: a device the container needs is missing on this host.
     """
     vendors = {w.device.type for w in workers}
     if len(vendors) != 1:
         raise DockerOptionError(f"group {group!r} mixes device types {sorted(vendors)}; one vendor per group")
     vendor = vendors.pop()
-    devices = container_devices(vendor, [w.device for w in workers], device_nodes)
+    devices = vendor_entry(vendor).container_devices([w.device for w in workers], device_nodes)
 
     all_cpus = [c for w in workers for c in w.cpus]
     # Pin the container only when every worker is pinned; otherwise leave it free.
     cpuset = format_cpulist(all_cpus) if all_cpus and all(w.cpus for w in workers) else None
-    quotas = {w.cpu_quota for w in workers}
-    if len(quotas) > 1:
-        raise DockerOptionError(f"group {group!r} has different CPU quotas {sorted(quotas, key=str)}")
-    cpu_quota = next(iter(quotas))
 
     mounts: Dict[str, Mount] = {}
     for m in image_mounts:
@@ -310,13 +295,15 @@ def plan_container(
             "the docker runtime mounts the working and log directories into the containers; "
             "run kaitianrun from a project directory (and give --log-dir a directory), not /"
         )
-    for path in own:
-        if not any(_inside(path, m) for m in own if m != path):
-            mounts[path] = Mount(path, path, False)
+    for path in outermost(own):
+        mounts[path] = Mount(path, path, False)
     for m in options.volumes:
         mounts[m.target] = m
     ordered_mounts = tuple(mounts[t] for t in sorted(mounts))
     tied = not options.keep_containers
+    # Root workers for a root agent gain nothing; asked for by name, root may
+    # write the (non-root) agent's owner-only directories.
+    capabilities = ROOT_CAPABILITIES if options.user == ROOT_USER else ()
 
     shape = {
         "image": image,
@@ -325,13 +312,14 @@ def plan_container(
         "devices": list(devices.device_nodes),
         "requests": [dict(r) for r in devices.device_requests],
         "user": user,
+        "capabilities": list(capabilities),
         "tied": tied,
         "cpuset": cpuset,
         "cpu_quota": cpu_quota,
         "shm": options.shm_size,
         "cgroup_parent": cgroup_parent,
     }
-    spec = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
     labels = {
         LABEL_MANAGED: "1",
         LABEL_RUN_ID: run_id,
@@ -341,15 +329,15 @@ def plan_container(
         LABEL_AGENT_PID: str(agent.pid),
         LABEL_AGENT_START: agent.start,
         LABEL_KEEP: "0" if tied else "1",
-        LABEL_SPEC: spec,
+        LABEL_SPEC: digest,
     }
     if tied:
         name = f"kaitian-{_sanitize(run_id)[:40]}-{_sanitize(group)}-{agent.pid}"
     else:
         # Kept containers outlive the run and are reused by any later run with
         # the same shape, so their name says the shape, not the run.
-        name = f"kaitian-{_sanitize(group)}-{spec[:12]}"
-    return ContainerPlan(
+        name = f"kaitian-{_sanitize(group)}-{digest[:12]}"
+    return ContainerSpec(
         name=name,
         image=image,
         group=group,
@@ -358,20 +346,21 @@ def plan_container(
         mounts=ordered_mounts,
         devices=devices,
         user=user,
+        capabilities=capabilities,
         tied=tied,
         cpuset=cpuset,
         cpu_quota=cpu_quota,
         shm_size=options.shm_size,
         cpu_shares=1024 * max(1, len(workers)),
         cgroup_parent=cgroup_parent,
-        spec=spec,
+        digest=digest,
     )
 
 
-def plan_exec(
+def exec_spec(
     *,
-    worker: "object",
-    container: ContainerPlan,
+    worker: LocalWorker,
+    container: ContainerSpec,
     entrypoint: str,
     args: Sequence[object],
     env: Mapping[str, str],
@@ -379,15 +368,15 @@ def plan_exec(
     pid_file: str,
     host_python: Sequence[str] = (),
     image_python: str = "python3",
-) -> ExecPlan:
-    """Plans the ``docker exec`` of one worker.
+) -> ExecSpec:
+    """The ``docker exec`` of one worker.
 
     Args:
-        worker: the worker's ``WorkerLaunch``.
-        container: its group's container plan.
+        worker: the worker.
+        container: its group's container spec.
         entrypoint: the agent's entrypoint (the host's python, or a binary).
         args: the worker's arguments.
-        env: the worker's full environment as the agent built it.
+        env: the worker's full environment as the agent and the runtime built it.
         cwd: working directory (mounted at the same path).
         pid_file: host path (in the mounted run dir) for the in-container pid.
         host_python: paths of the host's interpreter; an entrypoint equal to one
@@ -395,37 +384,18 @@ def plan_exec(
         image_python: the image's python (``org.kaitian.python`` label or ``python3``).
 
     Returns:
-        The exec plan.
+        The exec's spec.
     """
     program = image_python if entrypoint in set(host_python) else entrypoint
     cpus = format_cpulist(worker.cpus) if worker.cpus else ""
     cmd = ("sh", "-c", WRAPPER_SCRIPT, pid_file, cpus, program, *[str(a) for a in args])
     mounted = [m.target for m in container.mounts]
-    return ExecPlan(
+    return ExecSpec(
         local_rank=worker.local_rank,
         group=container.group,
         cmd=cmd,
-        env=worker_env(
-            env,
-            vendor=container.vendor,
-            devices=container.devices,
-            device=worker.device,
-            mounted=mounted,
-        ),
+        env=worker_env(env, mounted=mounted),
         workdir=cwd,
         user=container.user,
         pid_file=pid_file,
     )
-
-
-def exit_code_from_docker(code: Optional[int]) -> int:
-    """torchrun's exit code (``-N`` for a signal) from the Engine's (``128 + N``).
-
-    The Engine reports a worker killed by signal N as ``128 + N``, which is also
-    what a shell reports, so the mapping is the one users expect from torchrun.
-    """
-    if code is None:
-        return -9
-    if 128 < code < 128 + 65:
-        return -(code - 128)
-    return code

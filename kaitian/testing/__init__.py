@@ -1,0 +1,1 @@
+"""Tools for testing kaitian scripts without the hardware (see :mod:`kaitian.testing.fake_accelerator`)."""

@@ -1,0 +1,215 @@
+"""How the global batch is cut across ranks: the split algorithm, each rank's capability, the re-balancer's plan.
+
+Everything here is deterministic: ranks that feed it the same numbers get the
+same split, so after one exchange of bit-identical values
+(:mod:`kaitian.training.exchange`) every rank derives the split on its own,
+with no further agreement round.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Mapping, Optional, Sequence, Union
+
+import torch.distributed as dist
+
+from kaitian.errors import SplitError
+from kaitian.settings import settings
+from kaitian.training.exchange import gather_per_rank
+
+__all__ = [
+    "proportional_split", "plan_split", "gather_capabilities", "rank_capabilities", "optimize_batch_size", "SplitError",
+]
+
+Capabilities = Union[Sequence[Optional[float]], Mapping[int, float]]
+
+
+def proportional_split(
+    total: int,
+    weights: Sequence[float],
+    caps: Optional[Sequence[Optional[int]]] = None,
+    minimum: int = 1,
+) -> List[int]:
+    """Splits ``total`` items in proportion to ``weights`` (largest remainder).
+
+    Deterministic: ties go to the lower rank. Ranks whose share would exceed
+    their cap get the cap and the rest is re-split among the others.
+
+    Args:
+        total: items to hand out.
+        weights: one non-negative weight per rank (all zero = equal split).
+        caps: optional per-rank maximum (``None`` entries = no cap).
+        minimum: every rank gets at least this many.
+
+    Returns:
+        One count per rank, summing to ``total``.
+
+    Raises:
+        SplitError: ``total`` cannot be split within ``minimum`` and ``caps``.
+    """
+    n = len(weights)
+    if n == 0:
+        raise SplitError("cannot split a batch across zero ranks")
+    caps_list = [None] * n if caps is None else [None if c is None else int(c) for c in caps]
+    if len(caps_list) != n:
+        raise SplitError(f"got {len(caps_list)} caps for {n} ranks")
+    if total < minimum * n:
+        raise SplitError(f"cannot give {n} ranks at least {minimum} of {total} items")
+    if any(c is not None and c < minimum for c in caps_list):
+        raise SplitError(f"a per-rank cap is below the minimum of {minimum}")
+    if all(c is not None for c in caps_list) and sum(caps_list) < total:
+        raise SplitError(
+            f"per-rank maximum batches {caps_list} add up to less than the global batch {total}; "
+            "raise max_batch_size or lower batch_size"
+        )
+    w = [max(0.0, float(x)) if math.isfinite(float(x)) else 0.0 for x in weights]
+    if sum(w) <= 0.0:
+        w = [1.0] * n
+    result = [0] * n
+    fixed = [False] * n
+    # Water-filling: fix capped ranks until the proportional share fits everyone.
+    while True:
+        free = [i for i in range(n) if not fixed[i]]
+        remaining = total - sum(result[i] for i in range(n) if fixed[i])
+        free_w = sum(w[i] for i in free)
+        if free_w <= 0.0:
+            shares = {i: remaining / len(free) for i in free}
+        else:
+            shares = {i: remaining * w[i] / free_w for i in free}
+        over = [i for i in free if caps_list[i] is not None and shares[i] > caps_list[i]]
+        if not over:
+            break
+        for i in over:
+            result[i] = caps_list[i]
+            fixed[i] = True
+    # Give each free rank its minimum first, then the rest by largest remainder.
+    free = [i for i in range(n) if not fixed[i]]
+    remaining = total - sum(result[i] for i in range(n) if fixed[i])
+    base = {i: max(minimum, int(math.floor(shares[i]))) for i in free}
+    # Taking the minimum may overshoot; take back from whoever holds most beyond its
+    # share (never from a faster rank before a slower one).
+    excess = sum(base.values()) - remaining
+    while excess > 0:
+        above = [j for j in free if base[j] > minimum]
+        if not above:
+            raise SplitError(f"cannot give {n} ranks at least {minimum} of {total} items")
+        i = max(above, key=lambda j: (base[j] - shares[j], -j))
+        base[i] -= 1
+        excess -= 1
+    left = remaining - sum(base.values())
+    # Ranks lifted to the minimum already got more than their share: last in line.
+    order = sorted(free, key=lambda j: (-(shares[j] - base[j]), j))
+    k = 0
+    guard = 0
+    while left > 0:
+        i = order[k % len(order)]
+        if caps_list[i] is None or base[i] < caps_list[i]:
+            base[i] += 1
+            left -= 1
+        k += 1
+        guard += 1
+        if guard > 10 * (total + n):
+            raise SplitError(f"cannot split {total} items under caps {caps_list}")
+    for i in free:
+        result[i] = base[i]
+    return result
+
+
+def plan_split(
+    global_batch: int,
+    per_sample_s: Sequence[float],
+    current: Sequence[int],
+    caps: Optional[Sequence[Optional[int]]] = None,
+    min_gain: float = 0.03,
+    minimum: int = 1,
+) -> List[int]:
+    """The split that equalises compute time, or ``current`` if the gain is too small.
+
+    Args:
+        global_batch: samples per step over all ranks.
+        per_sample_s: each rank's compute seconds per sample (> 0).
+        current: the split in use.
+        caps: per-rank maximum batch (``None`` = no cap).
+        min_gain: keep ``current`` unless the predicted slowest-rank compute
+            time drops by more than this fraction (stops jitter from noise).
+        minimum: the smallest batch a rank may get.
+
+    Returns:
+        The split to use.
+    """
+    speeds = [1.0 / t for t in per_sample_s]
+    candidate = proportional_split(global_batch, speeds, caps=caps, minimum=minimum)
+
+    def slowest(split: Sequence[int]) -> float:
+        return max(b * t for b, t in zip(split, per_sample_s))
+
+    if list(candidate) == list(current):
+        return list(current)
+    if slowest(candidate) < slowest(current) * (1.0 - min_gain):
+        return candidate
+    return list(current)
+
+
+def gather_capabilities(
+    own: Optional[float],
+    group: Optional[dist.ProcessGroup] = None,
+) -> List[Optional[float]]:
+    """Every rank's capability, exchanged through the process group.
+
+    Bit-identical on every rank (:mod:`kaitian.training.exchange`), so all
+    ranks derive the same split.
+
+    Args:
+        own: this rank's capability (samples/s), or ``None`` if unknown.
+        group: the process group (default: the world).
+
+    Returns:
+        One entry per rank of the group, ``None`` where unknown.
+    """
+    value = float(own) if own is not None and own > 0 else -1.0
+    return [None if row[0] <= 0 else row[0] for row in gather_per_rank([value], group)]
+
+
+def rank_capabilities(
+    num_replicas: int,
+    capabilities: Optional[Capabilities] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> List[float]:
+    """The capability (samples/s) of each of ``num_replicas`` ranks: what the split is proportional to.
+
+    Given ``capabilities`` (a sequence or ``{rank: value}``), those; else each
+    rank's ``KAITIAN_CAPABILITY``, exchanged through ``group`` when it has
+    ``num_replicas`` ranks (a collective: call it on every rank), else equal.
+    Unknown entries get the mean of the known ones (all unknown: equal).
+
+    Raises:
+        SplitError: ``capabilities`` has the wrong length.
+    """
+    if capabilities is not None:
+        if isinstance(capabilities, Mapping):
+            values = [capabilities.get(r) for r in range(num_replicas)]
+        else:
+            values = list(capabilities)
+        if len(values) != num_replicas:
+            raise SplitError(f"capabilities has {len(values)} entries for {num_replicas} ranks")
+    elif dist.is_available() and dist.is_initialized() and num_replicas == dist.get_world_size(group) > 1:
+        values = gather_capabilities(settings().capability, group)
+    else:
+        values = [None] * num_replicas
+    known = [c for c in values if c is not None and c > 0]
+    fill = sum(known) / len(known) if known else 1.0
+    return [float(c) if c is not None and c > 0 else fill for c in values]
+
+
+def optimize_batch_size(batch_size: int) -> int:
+    """This rank's batch for a per-rank ``batch_size`` (the original API).
+
+    The split of ``batch_size`` x world by the ranks' ``KAITIAN_CAPABILITY``,
+    exchanged through the process group (a collective: call it on every rank):
+    what ``DistributedSampler(ds, batch_size=batch_size)`` gives this rank with
+    default capabilities. Without a process group, ``batch_size``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(batch_size)
+    world = dist.get_world_size()
+    return proportional_split(int(batch_size) * world, rank_capabilities(world))[dist.get_rank()]

@@ -1,0 +1,164 @@
+"""``kaitianrun --on-failure continue`` with kaitian.elastic.Trainer, end to end.
+
+Real workers on two simulated vendor groups (``--cpu-groups 2``, the second
+slower: ``--cpu-quota``) train the examples' fp64 MLP; the worker script
+(``workers/elastic_train.py``) kills (SIGKILL) or stops (SIGSTOP) itself at a
+chosen point of a chosen step. Whatever is lost, the run must apply every
+global batch exactly once, in order, and end with the weights of one process
+trained on them (``support.elastic.check_exact``).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from support import REPO, repo_env
+from support.elastic import assert_one_process_weights, check_exact, expected_batches, run_elastic
+
+GLOBAL_BATCH = 48  # 3 workers x 16: 10 steps per epoch of 480 samples
+
+
+def _by_kind(run, kind):
+    return [e for e in run.events() if e["kind"] == kind]
+
+
+def _generation_of(steps, applied):
+    """The generation that applied step ``applied`` (1-based)."""
+    return steps[applied - 1][0]["generation"]
+
+
+def _members_of(steps, applied):
+    return {r["member"] for r in steps[applied - 1]}
+
+
+def _failures(run):
+    """(point, steps applied before it, launch rank, incarnation) of each failure the workers caused."""
+    found = re.findall(r"test: \S+/(\d+)/(\d+) fails \((\w+)\) at step (\d+)", run.output)
+    return sorted((where, int(step), int(rank), int(inc)) for rank, inc, where, step in found)
+
+
+def test_sigkill_in_forward_allreduce_and_optimizer_step_each_rejoins(tmp_path):
+    """A loss at each point of a step; a lost worker restarts and rejoins with the live state (the
+    next loss waits until it is back)."""
+    run = run_elastic(
+        tmp_path,
+        ["--nproc-per-node", "3", "--cpu-groups", "2", "--cpu-quota", "1,0.5", "--max-restarts", "3"],
+        ["--epochs", "5", "--fail", "forward@3:1", "--fail", "allreduce@11:2", "--fail", "optimizer@19:0",
+         "--degraded-sleep", "1"],
+    )
+    assert run.returncode == 0, run.output[-6000:]
+    steps = check_exact(run, epochs=5, global_batch=GLOBAL_BATCH)
+    failures = _failures(run)
+    assert [(w, r, i) for w, _, r, i in failures] == [("allreduce", 2, 0), ("forward", 1, 0), ("optimizer", 0, 0)]
+    for where, done, victim, _ in failures:
+        first = run.member(victim, 0)
+        if where == "optimizer":
+            # killed after the commit: the others applied the step (the victim's share included,
+            # not logged by it), and the next step is the first without it
+            assert first in _members_of(steps, done) and first not in _members_of(steps, done + 1)
+            assert len(steps[done]) == steps[done][0]["world"] - 1
+            assert _generation_of(steps, done + 2) > _generation_of(steps, done + 1)
+        else:
+            # the step in flight was discarded everywhere and redone by the survivors, re-split
+            assert first in _members_of(steps, done) and first not in _members_of(steps, done + 1)
+            assert _generation_of(steps, done + 1) > _generation_of(steps, done)
+            assert steps[done][0]["world"] == len(steps[done])
+        if where != "optimizer":  # the next failure waited for it: it came back
+            assert any(e["kind"] == "joined" and e["member"] == run.member(victim, 1) for e in run.events())
+
+
+def test_last_rank_of_a_vendor_then_all_but_one_lost_with_torch_ddp(tmp_path):
+    """The only rank of cpu1 is lost, then another: the last survivor trains alone to the end
+    (no restarts left: the job of one goes on and succeeds). torch's DDP with scale_loss."""
+    run = run_elastic(
+        tmp_path,
+        ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
+        ["--ddp", "torch", "--fail", "forward@3:2", "--fail", "forward@8:1", "--fail-any-world",
+         "--degraded-sleep", "0"],
+    )
+    assert run.returncode == 0, run.output[-6000:]
+    steps = check_exact(run, epochs=2, global_batch=GLOBAL_BATCH)
+    assert [r["split"] for r in steps[3]] == [[24, 24]] * 2  # cpu1 gone: cpu0's two ranks
+    assert [r["split"] for r in steps[8]] == [[48]]  # then one rank holds the whole global batch
+    assert {r["member"] for r in steps[-1]} == {run.member(0, 0)}
+    assert "the others go on without it" in run.output
+
+
+def test_whole_vendor_group_then_sigstop_with_two_more_losses_while_it_is_handled(tmp_path):
+    """Four workers, cpu0 x2 and cpu1 x2, re-balancing: both cpu1 ranks die at once; once they are
+    back, rank 1 stops (SIGSTOP): the others time out, and while they agree, rank 3 dies, and rank 2
+    dies once the plan that still counts it is decided. Rank 0 goes on alone; the stopped worker is
+    left out, killed by its agent and restarted; everyone rejoins."""
+    run = run_elastic(
+        tmp_path,
+        ["--nproc-per-node", "4", "--cpu-groups", "2", "--cpu-quota", "1,0.5", "--max-restarts", "5"],
+        ["--epochs", "8", "--rebalance", "--fail", "forward@3:2", "--fail", "forward@3:3",
+         "--fail", "stop@8:1", "--fail", "lost@8:3", "--fail", "agreed@8:2", "--fail", "full@9:0",
+         "--degraded-sleep", "1"],
+    )
+    assert run.returncode == 0, run.output[-6000:]
+    steps = check_exact(run, epochs=8, global_batch=64)
+    failures = _failures(run)
+    assert [(w, r) for w, _, r, _ in failures] == [("agreed", 2), ("forward", 2), ("forward", 3), ("lost", 3),
+                                                  ("stop", 1)], failures
+    cut = next(done for where, done, _, _ in failures if where == "forward")
+    assert {r["member"].rsplit("_", 2)[1] for r in steps[cut]} == {"0", "1"}  # only cpu0 left, one group
+    stop = next(done for where, done, _, _ in failures if where == "stop")
+    after = steps[stop]  # the stopped step, redone
+    assert [r["member"] for r in after] == [run.member(0, 0)] and after[0]["world"] == 1
+    assert "was left out of generation" in run.output  # its agent killed the stopped worker
+    events = run.events()
+    lost = [e for e in events if e["kind"] == "lost" and e["member"] == run.member(0, 0)]
+    assert any("timed out" in e["detail"] for e in lost), lost  # the stop: noticed after the group timeout
+    assert any(e["detail"].endswith("was forming") and "left while generation" in e["detail"] for e in lost)
+    assert (tmp_path / "out" / "fired-full-9-0").exists()  # all four came back, the stopped one too
+    assert any(e["kind"] == "joined" and e["member"] == run.member(1, 1) for e in events)  # the stopped one's next
+
+
+def test_example_goes_on_when_a_worker_is_killed_from_outside(tmp_path):
+    """examples/elastic_train.py as the README runs it; a worker is SIGKILLed (by the test) mid-training."""
+    logs = tmp_path / "batches"
+    logs.mkdir()
+    cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--standalone", "--nproc-per-node", "3", "--cpu-groups",
+           "2", "--on-failure", "continue", "--max-restarts", "1", os.path.join(REPO, "examples", "elastic_train.py"),
+           "--epochs", "30", "--log-batches", str(logs), "--save", str(tmp_path / "w.json")]
+    proc = subprocess.Popen(cmd, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in logs.iterdir() if p.stat().st_size > 200]) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
+            time.sleep(0.02)
+        victim = max(int(p.stem) for p in logs.iterdir())
+        os.kill(victim, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    assert "generation 1: 2 workers" in output and "done: 300 steps" in output
+    batches = expected_batches(30, GLOBAL_BATCH)
+    trained = {}
+    for path in logs.iterdir():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            trained.setdefault(rec["applied"], []).extend(rec["indices"])
+    assert sorted(trained) == list(range(1, 301))
+    for applied, indices in trained.items():  # a rank killed after the commit logs nothing for its last step
+        assert set(indices) <= set(batches[applied - 1]) and len(indices) == len(set(indices))
+    assert_one_process_weights(str(tmp_path / "w.json"), batches)
+
+
+def test_a_script_without_the_trainer_is_restarted_as_under_restart(tmp_path):
+    """Continue mode needs kaitian.elastic.Trainer; a plain script that loses a worker is restarted whole."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kaitian.launcher.cli", "--standalone", "--nproc-per-node", "2", "--on-failure",
+         "continue", "--max-restarts", "1", os.path.join(REPO, "tests", "workers", "crash_once.py"), str(tmp_path)],
+        env=repo_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "never formed a kaitian.elastic job" in proc.stderr
+    assert sorted(p.read_text() for p in tmp_path.glob("ok.*")) == ["1 3.0", "1 3.0"]  # both ran again

@@ -1,0 +1,81 @@
+"""The decision of a generation (``kaitian.elastic.membership.decide``) and the quorum
+protocol over a real c10d store, without processes."""
+
+import threading
+import time
+import torch.distributed as dist
+
+from kaitian.elastic.membership import Announcement, Membership, decide
+
+
+def _a(member, applied, share=0.5, group="cpu0", failure="lost", epoch=0, step=None):
+    return Announcement(member, applied, epoch, applied if step is None and applied is not None else (step or 0),
+                        share, group, failure)
+
+
+def test_survivors_in_old_rank_order_redo_the_step_in_flight_re_split_by_share():
+    expected = ["n/0/0", "n/1/0", "n/2/0"]
+    announced = {m: _a(m, 7, share=s) for m, s in (("n/2/0", 0.25), ("n/0/0", 0.5))}
+    plan = decide(1, expected, announced, gone={"n/1/0"}, joiners=[], global_batch=48, min_batch=1)
+    assert plan.members == ["n/0/0", "n/2/0"] and plan.excluded == ["n/1/0"] and not plan.error
+    assert plan.split == [32, 16] and plan.applied == 7 and plan.source == -1  # same state: nothing sent
+
+
+def test_a_survivor_one_step_behind_takes_the_state_of_the_first_that_applied_it():
+    """The lost rank died inside the commit: rank 1 applied step 8, rank 0 did not."""
+    announced = {"n/0/0": _a("n/0/0", 7), "n/1/0": _a("n/1/0", 8), "n/2/0": _a("n/2/0", 8)}
+    plan = decide(1, ["n/0/0", "n/1/0", "n/2/0", "n/3/0"], announced, gone={"n/3/0"}, joiners=[],
+                  global_batch=48, min_batch=1)
+    assert plan.members == ["n/0/0", "n/1/0", "n/2/0"]
+    assert plan.applied == 8 and plan.step == 8 and plan.source == 1  # everyone continues from step 8, once
+
+
+def test_joiners_are_weighted_like_their_vendor_group_and_get_the_state():
+    announced = {"n/0/0": _a("n/0/0", 3, share=0.75, group="cpu0", failure=""),
+                 "n/1/0": _a("n/1/0", 3, share=0.25, group="cpu1", failure="")}
+    joiners = [Announcement("n/2/1", None, group="cpu1"), Announcement("m/0/0", None, group="cuda")]
+    plan = decide(2, ["n/0/0", "n/1/0"], announced, gone=set(), joiners=joiners, global_batch=70, min_batch=1,
+                  joiners_seen=2)
+    assert plan.members == ["n/0/0", "n/1/0", "n/2/1", "m/0/0"] and plan.joiners_seen == 2
+    assert plan.split == [30, 10, 10, 20]  # the cpu1 joiner like cpu1 (0.25), a new vendor like the mean (0.5)
+    assert plan.source == 0 and not plan.error
+
+
+def test_what_cannot_go_on_says_why():
+    lost_all = decide(3, ["n/0/0"], {}, gone={"n/0/0"}, joiners=[Announcement("n/0/1", None)],
+                      global_batch=8, min_batch=1)
+    assert "no member holds the training state" in lost_all.error
+    one_node = decide(1, ["a/0/0", "b/0/0"], {"a/0/0": _a("a/0/0", 2)}, gone={"b/0/0"}, joiners=[],
+                      global_batch=8, min_batch=1, min_nodes=2)
+    assert one_node.error == "only 1 node(s) left, below --nnodes MIN=2"
+    nobody_lost = decide(1, ["a/0/0", "a/1/0"], {m: _a(m, 2, failure="ranks issued different collectives")
+                                                 for m in ("a/0/0", "a/1/0")}, gone=set(), joiners=[],
+                         global_batch=8, min_batch=1)
+    assert nobody_lost.error.startswith("the process group failed but no member was lost: ranks issued")
+
+
+def test_quorum_waits_for_a_silent_member_then_the_lowest_survivor_decides_once():
+    store = dist.HashStore()
+    plans, began = {}, time.monotonic()
+
+    def member(me):
+        m = Membership(store, "0", me, quorum_timeout=0.5)
+        plans[me] = (m.agree(1, ["n/0/0", "n/1/0", "n/2/0"], _a(me, 4), 48, 1, 1, 0), time.monotonic() - began)
+
+    threads = [threading.Thread(target=member, args=(me,)) for me in ("n/0/0", "n/2/0")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    (plan, waited), (other, _) = plans["n/0/0"], plans["n/2/0"]
+    assert plan == other  # one plan for the generation
+    assert plan.members == ["n/0/0", "n/2/0"] and plan.excluded == ["n/1/0"]
+    assert waited >= 0.5  # nobody marked n/1/0 gone: the deadline passed first
+
+
+def test_a_member_marked_gone_is_decided_without_waiting():
+    m = Membership(dist.HashStore(), "0", "n/0/0", quorum_timeout=30.0)
+    m.mark_gone("n/1/0")
+    began = time.monotonic()
+    plan = m.agree(1, ["n/0/0", "n/1/0"], _a("n/0/0", 4), 48, 1, 1, 0)
+    assert plan.members == ["n/0/0"] and time.monotonic() - began < 5 and m.latest() == 1

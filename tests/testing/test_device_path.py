@@ -1,0 +1,94 @@
+"""kaitian's device path on the fake accelerator: ``scripts/cuda_check.py --device mlu``,
+the GPU check run on fake MLUs beside CPU ranks, one job per layout whose output
+each test reads, phase by phase (see the script's docstring for what each phase
+checks):
+
+- one fake MLU rank (alone in its group) + two CPU ranks: every phase;
+- two fake MLU ranks (one fake-CNCL group) + one CPU rank: every phase;
+- two fake MLU ranks and nothing else (the vendor alone runs each op): the
+  ops, staging and fail-stop phases; fail-stop again over the TCP bridge.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO, repo_env
+
+pytest.importorskip("kaitian.testing._fake_accelerator", reason="the fake accelerator needs torch 2.13+")
+
+# checks each phase reports (a phase that silently skips one fails too)
+CHECKS = {"ops": 80, "sizes": 9, "streams": 4, "memory": 6, "training": 6, "clock": 6, "failstop": 5,
+          "kaitianrun": 1}
+# layout -> (device ranks, CPU ranks, phases, bridge)
+LAYOUTS = {"1+2": (1, 2, "", "auto"), "2+1": (2, 1, "", "auto"), "2+0": (2, 0, "ops,memory,failstop", "auto"),
+           "2+0 tcp": (2, 0, "failstop", "tcp")}
+# a world of two has no rank 2 to broadcast from (one check per broadcast dtype)
+FEWER = {("2+0", "ops"): 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(layout: str) -> subprocess.CompletedProcess:
+    devices, cpus, phases, bridge = LAYOUTS[layout]
+    # no bandwidth table; 20 MiB reductions still span two 16 MiB segments
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "cuda_check.py"), "--device", "mlu", "--sizes", "",
+           "--big-mib", "20", "--device-ranks", str(devices), "--cpu-ranks", str(cpus), "--bridge", bridge]
+    if phases:
+        cmd += ["--phases", phases]
+    return subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def _phase(layout: str, name: str) -> None:
+    run = _run(layout)
+    lines = re.findall(rf"^(PASS|FAIL)  {name}[: ](.*)$", run.stdout, re.M)
+    failed = [check for verdict, check in lines if verdict == "FAIL"]
+    expected = CHECKS[name] - FEWER.get((layout, name), 0)
+    assert not failed and len(lines) == expected, (
+        f"{layout} {name}: {len(lines)} checks reported (expected {expected}), failed: {failed}\n"
+        f"{run.stdout[-6000:]}\n{run.stderr[-4000:]}")
+
+
+LAID_OUT = ["1+2", "2+1"]
+
+
+@pytest.mark.parametrize("layout", LAID_OUT)
+@pytest.mark.parametrize("phase", ["ops", "sizes", "streams"])
+def test_collectives_on_the_device(layout: str, phase: str) -> None:
+    _phase(layout, phase)
+
+
+@pytest.mark.parametrize("layout", LAID_OUT)
+def test_freed_memory_barrier_second_device_and_staging(layout: str) -> None:
+    _phase(layout, "memory")
+
+
+@pytest.mark.parametrize("layout", LAID_OUT)
+def test_training_is_exact_and_timed_on_the_device(layout: str) -> None:
+    _phase(layout, "training")
+    _phase(layout, "clock")
+
+
+@pytest.mark.parametrize("layout", LAID_OUT)
+def test_fail_stop_on_the_device(layout: str) -> None:
+    _phase(layout, "failstop")
+
+
+def test_the_vendor_alone_stages_nothing_and_fails_stop() -> None:
+    """Every rank in one vendor group: the fake CNCL runs each op, yet kaitian's
+    deadline, fail-stop and dead-peer naming hold (its bridge watches the peers)."""
+    for phase in ("ops", "memory", "failstop"):
+        _phase("2+0", phase)
+    _phase("2+0 tcp", "failstop")
+
+
+@pytest.mark.parametrize("layout", ["1+2", "2+1", "2+0", "2+0 tcp"])
+def test_kaitianrun_nproc_auto_and_the_whole_check_passes(layout: str) -> None:
+    _phase(layout, "kaitianrun")
+    run = _run(layout)
+    assert run.returncode == 0 and "all checks passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
