@@ -301,10 +301,12 @@ void KaitianBackend::stopAll(bool abort) {
   }
 }
 
-void KaitianBackend::waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
-                                const c10::intrusive_ptr<c10d::Work>& work,
-                                const c10::Device& device, const Deadline& dl) {
+void KaitianBackend::runVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
+                               const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
+                               const c10::Device& device, const Deadline& dl) {
   const std::string step = "the intra-group step (" + vendor->getBackendName() + ")";
+  if (bridge_) bridge_->watchPeers({}, dl, step);
+  const c10::intrusive_ptr<c10d::Work> work = start();
   // A vendor op we stop waiting for keeps waiting for its peer on the
   // vendor's threads or device: shutdown leaves that vendor to the process.
   auto giveUp = [&] {
@@ -556,7 +558,7 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     o.reduceOp = RedOp(vendorOp);
     o.timeout = dl.timeout;
     std::vector<at::Tensor> v{flat};
-    waitVendor(vendor, vendor->allreduce(v, o), flat.device(), dl);
+    runVendor(vendor, [&] { return vendor->allreduce(v, o); }, flat.device(), dl);
   }
   if (groups.size() == 1) {
     // One source holds all the data (world size 1, or one vendor group): the
@@ -836,7 +838,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& t
                      o.reduceOp = op;
                      o.rootRank = root;
                      o.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->reduce(v, o), t.device(), dl);
+                     runVendor(vendor, [&] { return vendor->reduce(v, o); }, t.device(), dl);
                      return -1;
                    }
                    const bool isRoot = getRank() == root;
@@ -904,7 +906,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
                      c10d::ReduceScatterOptions o;
                      o.reduceOp = op;
                      o.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->_reduce_scatter_base(out, in, o), out.device(), dl);
+                     runVendor(
+                         vendor, [&] { return vendor->_reduce_scatter_base(out, in, o); }, out.device(), dl);
                      return -1;
                    }
                    at::Tensor flat = scratchCopy(in);
@@ -978,7 +981,7 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>
                      c10d::BroadcastOptions o;
                      o.rootRank = root;
                      o.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->broadcast(v, o), t.device(), dl);
+                     runVendor(vendor, [&] { return vendor->broadcast(v, o); }, t.device(), dl);
                      return -1;
                    }
                    const int W = getSize(), me = getRank();
@@ -1037,7 +1040,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
                      std::vector<at::Tensor> i{in};
                      c10d::AllgatherOptions opts;
                      opts.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->allgather(o, i, opts), in.device(), dl);
+                     runVendor(
+                         vendor, [&] { return vendor->allgather(o, i, opts); }, in.device(), dl);
                      return -1;
                    }
                    const int W = getSize();
@@ -1077,7 +1081,8 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
                    if (auto vendor = soleVendor({in, out})) {
                      c10d::AllgatherOptions opts;
                      opts.timeout = dl.timeout;
-                     waitVendor(vendor, vendor->_allgather_base(out, in, opts), in.device(), dl);
+                     runVendor(
+                         vendor, [&] { return vendor->_allgather_base(out, in, opts); }, in.device(), dl);
                      return -1;
                    }
                    const int W = getSize();

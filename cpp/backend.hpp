@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -135,12 +136,14 @@ class KaitianBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> soleVendor(
       const std::vector<at::Tensor>& tensors,
       std::optional<c10d::ReduceOp::RedOpType> op = std::nullopt) const;
-  // Waits for a vendor op on `device`'s tensors, its device work included
-  // (NCCL's future completes when the op is queued), noticing the deadline and
-  // shutdown/abort.
-  void waitVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
-                  const c10::intrusive_ptr<c10d::Work>& work, const c10::Device& device,
-                  const Deadline& dl);
+  // Runs a vendor op on `device`'s tensors (`start` issues it) and waits for
+  // it, its device work included (NCCL's future completes when the op is
+  // queued), noticing the deadline and shutdown/abort. A peer already in
+  // another op fails the group before it starts: a vendor fed mismatched
+  // calls hangs, or (gloo, on a size mismatch) aborts the process.
+  void runVendor(const c10::intrusive_ptr<c10d::Backend>& vendor,
+                 const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
+                 const c10::Device& device, const Deadline& dl);
   // The collectives thread's pinned segment buffers for `device`, at least `bytes` each.
   PinnedRing& pinnedRing(const c10::Device& device, int64_t bytes);
   void stopAll(bool abort);

@@ -68,9 +68,10 @@ class Bridge {
   virtual void poison(const std::string& firstFailure) = 0;
   // For the collectives thread while it waits outside the bridge (in its
   // vendor's step, with the ranks `with`): raises, as the bridge's own waits
-  // do, when a peer broke the group; returns why one of `with` is gone (it
-  // exited, or closed the group), or "" while all are there. Never blocks;
-  // cheap enough to call every few milliseconds.
+  // do, when a peer broke the group (and, where the bridge can see the op
+  // each peer is in, when one is in another op: shm); returns why one of
+  // `with` is gone (it exited, or closed the group), or "" while all are
+  // there. Never blocks; cheap enough to call every few milliseconds.
   virtual std::string watchPeers(const std::vector<int>& with, const Deadline& dl, const std::string& what) = 0;
   // Releases OS resources; further calls fail.
   virtual void close() = 0;

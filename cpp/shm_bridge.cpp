@@ -46,7 +46,7 @@ struct alignas(64) ShmEventWord {
 };
 
 namespace {
-constexpr uint64_t kMagic = 0x324e414954494b41ULL;  // "AKITIAN2"
+constexpr uint64_t kMagic = 0x334e414954494b41ULL;  // "AKITIAN3"
 // Chunk slots per segment: round t uses slot t % kSlots, so a fast rank can run
 // up to kSlots - 1 rounds ahead of the slowest reader.
 constexpr int64_t kSlots = 4;
@@ -120,6 +120,10 @@ struct ShmSegmentHeader {
   Counter heartbeat;   // bumped every 100 ms while the bridge is open
   alignas(64) std::atomic<uint32_t> state;
   char failure[kMaxFailureText + 1];
+  // The collective this rank is in, for peers waiting in a vendor's step,
+  // which carries no call identity: a seqlock, odd while it is rewritten.
+  alignas(64) std::atomic<uint64_t> opVersion;
+  OpId op;
   SlotHeader slot[kSlots];
   // followed by MsgHeader box[world], Counter p2pSent[world], Counter p2pAck[world]
 };
@@ -389,6 +393,15 @@ void ShmBridge::checkPeers(int watch, const Deadline& dl, const char* what) {
 std::string ShmBridge::watchPeers(const std::vector<int>& with, const Deadline& dl,
                                   const std::string& what) {
   checkPeers(-1, dl, what.c_str());
+  // A peer in another op would leave the vendor's step hanging until the
+  // deadline: the op each rank published names the mismatch at once.
+  publishOp(dl.id);
+  for (int s = 0; s < size_ && dl.id.seq > 0; ++s) {
+    OpId theirs;
+    if (s != rank_ && peerOp(s, theirs) && theirs.seq == dl.id.seq && !theirs.sameCall(dl.id)) {
+      dl.breakGroup(mismatchText(rank_, dl.id, s, theirs));
+    }
+  }
   for (int s : with) {
     if (s == rank_) continue;
     if (peers_[s].hdr->state.load(std::memory_order_acquire) == kClosed) {
@@ -455,9 +468,33 @@ void ShmBridge::waitAtLeast(int peer, const std::atomic<uint64_t>& ctr, uint64_t
             peer, dl, what);
 }
 
+void ShmBridge::publishOp(const OpId& id) {
+  if (id.seq == 0 || id.seq == publishedSeq_) return;  // (p2p ops are not numbered)
+  ShmSegmentHeader* h = peers_[rank_].hdr;
+  const uint64_t v = h->opVersion.load(std::memory_order_relaxed);
+  h->opVersion.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  std::memcpy(&h->op, &id, sizeof(id));
+  h->opVersion.store(v + 2, std::memory_order_release);
+  publishedSeq_ = id.seq;
+  // Store, then load the peers' (watchPeers): of two ranks publishing at
+  // once, at least one sees the other's op.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+bool ShmBridge::peerOp(int peer, OpId& out) const {
+  const ShmSegmentHeader* h = peers_[peer].hdr;
+  const uint64_t v = h->opVersion.load(std::memory_order_acquire);
+  if (v == 0 || (v & 1) != 0) return false;  // none yet, or being rewritten
+  std::memcpy(&out, &h->op, sizeof(out));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return h->opVersion.load(std::memory_order_relaxed) == v;
+}
+
 void ShmBridge::beginCall(const Deadline& dl) {
   TORCH_CHECK(peers_[rank_].hdr != nullptr, "kaitian ", dl.what, ": the bridge is closed");
   if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
+  publishOp(dl.id);
   for (int s = 0; s < size_; ++s) {
     if (s != rank_ && peers_[s].hdr->state.load(std::memory_order_acquire) == kBroken) {
       dl.peerFailed(failureOf(s));

@@ -76,6 +76,10 @@ class ShmBridge : public Bridge {
   // Why `peer` is gone (exited, or stopped its heartbeat), or "" while it lives.
   std::string goneText(int peer, const char* what);
   std::string failureOf(int peer) const;
+  // The collective this rank is in (collectives thread only), and a peer's:
+  // false while it has none or is rewriting it.
+  void publishOp(const OpId& id);
+  bool peerOp(int peer, OpId& out) const;
   // Collective calls: identity of each round, checked by the readers.
   void beginCall(const Deadline& dl);
   void publishRound(uint64_t t, Kind kind, const Deadline& dl);
@@ -93,6 +97,7 @@ class ShmBridge : public Bridge {
   bool unlinked_ = false;
   uint64_t round_ = 0;  // collective rounds done; identical on every rank
   uint64_t calls_ = 0;  // collective bridge calls done; identical on every rank
+  uint64_t publishedSeq_ = 0;  // the collective last published in our header
   int64_t spinMicros_;  // spin before sleeping on a futex (KAITIAN_SPIN_US)
   std::chrono::milliseconds deadAfter_;  // a heartbeat this old means dead
   std::mutex beatMu_;

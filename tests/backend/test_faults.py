@@ -101,6 +101,25 @@ def test_mismatched_collectives_raise_on_every_rank(kind: str, env) -> None:
             assert after["seconds"] < 1.0, after
 
 
+@pytest.mark.parametrize("kind", ["op", "size", "dtype", "root", "redop"])
+def test_a_mismatch_inside_a_vendor_group_is_named_not_timed_out(kind: str) -> None:
+    """Ranks 0 and 1 share a vendor group (gloo inside it, as NCCL or CNCL would be) and
+    meet first in the vendor's step, which knows nothing of the calls; the shm bridge
+    shows the op each rank is in, so every rank names both calls at once."""
+    T = 10.0
+    with _ranks("2+1", (("KAITIAN_INTRA", "gloo"),), f"mismatch-{kind}", T) as (steps, logs):
+        for r in (0, 1, 2):
+            rec = steps.get((r, "mismatch"))
+            assert rec is not None, logs
+            assert not rec["ok"], f"rank {r}: mismatched {kind} returned {rec['value']}"
+            for call in _MISMATCH[kind]:  # (the pair named first: 0 and 1, or 0 and 2)
+                call = call.split(" called ")[-1]
+                assert call in rec["error"], f"rank {r}: {call!r} not in {rec['error']}"
+            assert "timed out" not in rec["error"] and rec["seconds"] < T / 2, rec
+            after = steps[(r, "after")]
+            assert not after["ok"] and "broken" in after["error"], after
+
+
 @pytest.mark.parametrize("env", _BRIDGES)
 def test_a_pair_that_disagrees_on_split_sizes_fails_the_op_on_every_rank(env) -> None:
     """Three ranks; only ranks 0 and 1 disagree (on what 0 sends 1). Rank 2's own
