@@ -135,11 +135,17 @@ class KaitianAgent(_te.LocalElasticAgent):
         the address from node 0's placement, never from torch's cache: after
         the node that held the store is lost, torch's cache on the survivors
         still names it. In continue mode a running job keeps its store.
+
+        Where torch's handler does not share its store (torch before 2.5, or
+        ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), worker rank 0 hosts the
+        store, as under torchrun; continue mode needs one that outlives any
+        worker, so node 0 serves it from the first start.
         """
         live = read_live_job(store) if self._continues else None
         if live is not None:
             return tuple(live["store"])
-        if not spec.rdzv_handler.use_agent_store:
+        shared = spec.rdzv_handler.use_agent_store
+        if not shared and not self._continues:
             return None  # worker rank 0 hosts the store (torchrun's MASTER_ADDR / MASTER_PORT)
         info = getattr(spec.rdzv_handler, "last_info", None)
         bootstrap = info.bootstrap_store_info if info is not None else None
@@ -148,7 +154,7 @@ class KaitianAgent(_te.LocalElasticAgent):
         if addr is None or port is None:
             return None
         fixed = self._launch.worker_store_port
-        if self._starts == 0 and (fixed is None or fixed == port):
+        if shared and self._starts == 0 and (fixed is None or fixed == port):
             return addr, int(port)
         import torch.distributed as dist
 
@@ -233,6 +239,8 @@ class KaitianAgent(_te.LocalElasticAgent):
             planned = self._plan.workers[worker.local_rank]
             args[key], torchrun_env = self._torchrun[worker.local_rank]
             envs[key] = {**torchrun_env, **self._kaitian_env(planned, members[worker.local_rank], joining)}
+            if self._placement is not None and self._placement.worker_store is not None:
+                envs[key]["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # an agent serves it: rank 0 must not
             if restart_count is not None:
                 envs[key]["TORCHELASTIC_RESTART_COUNT"] = str(restart_count)
             started[key] = planned
@@ -290,12 +298,6 @@ class KaitianAgent(_te.LocalElasticAgent):
 
     def _continue(self, worker_group: "_te.WorkerGroup", members: Dict[int, str]) -> Continuation:
         """Watches this start's workers one by one (continue mode)."""
-        if not worker_group.spec.rdzv_handler.use_agent_store:
-            raise RendezvousError(
-                "--on-failure continue needs the agent's store for the workers (the survivors agree through "
-                "it); unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-            )
-
         def restart(worker: WorkerProcess) -> tuple:
             self._remaining_restarts -= 1
             count = worker_group.spec.max_restarts - self._remaining_restarts

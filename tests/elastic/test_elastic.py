@@ -92,6 +92,22 @@ def test_last_rank_of_a_vendor_then_all_but_one_lost_with_torch_ddp(tmp_path):
     assert "the others go on without it" in run.output
 
 
+def test_without_torch_sharing_its_store_rank_0_is_lost_and_the_others_go_on(tmp_path):
+    """torch before 2.5 (and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 after) has worker rank 0 host the
+    workers' store, which would die with it: node 0's agent serves the store itself, from the first
+    start, and rank 0 is lost without taking the job's store along."""
+    run = run_elastic(
+        tmp_path,
+        ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
+        ["--fail", "forward@3:0", "--fail-any-world", "--degraded-sleep", "0"],
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    assert run.returncode == 0, run.output[-6000:]
+    steps = check_exact(run, epochs=2, global_batch=GLOBAL_BATCH)
+    assert run.member(0, 0) not in {r["member"] for r in steps[3]}
+    assert len(steps[3]) == 2 and {r["member"] for r in steps[-1]} == {run.member(1, 0), run.member(2, 0)}
+
+
 def test_whole_vendor_group_then_sigstop_with_two_more_losses_while_it_is_handled(tmp_path):
     """Four workers, cpu0 x2 and cpu1 x2, re-balancing: both cpu1 ranks die at once; once they are
     back, rank 1 stops (SIGSTOP): the others time out, and while they agree, rank 3 dies, and rank 2

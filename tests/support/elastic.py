@@ -67,13 +67,15 @@ class Run:
             return json.load(f)
 
 
-def run_elastic(tmp_path, launcher_flags: List[str], worker_flags: List[str], timeout: float = 240) -> Run:
-    """Runs ``kaitianrun --standalone --on-failure continue FLAGS elastic_train.py --out DIR WORKER_FLAGS``."""
+def run_elastic(tmp_path, launcher_flags: List[str], worker_flags: List[str], timeout: float = 240,
+                **env: str) -> Run:
+    """Runs ``kaitianrun --standalone --on-failure continue FLAGS elastic_train.py --out DIR WORKER_FLAGS``
+    (``env``: more environment variables)."""
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--standalone", "--on-failure", "continue",
            *launcher_flags, worker("elastic_train"), "--out", str(out), *worker_flags]
-    proc = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    proc = subprocess.run(cmd, env=repo_env(**env), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     return Run(proc.returncode, proc.stdout + proc.stderr, str(out))
 
 
