@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.utils.data
 
-from kaitian.errors import SplitError, TrainingError
+from kaitian.errors import SplitError
 from kaitian.training.listeners import Listeners
-from kaitian.training.split import Capabilities, proportional_split, rank_capabilities
+from kaitian.training.split import Capabilities, epoch_layout, proportional_split, rank_capabilities
 
 __all__ = [
     "DistributedSampler",
@@ -47,38 +47,28 @@ DEFAULT_BATCH_SIZE = 32  # per rank of an equal split, when batch_size is not gi
 class DistributedSampler(torch.utils.data.DistributedSampler):
     """torch's ``DistributedSampler`` with per-rank batches in proportion to each device's speed.
 
-    A subclass of ``torch.utils.data.DistributedSampler`` with its constructor
-    (so Lightning and Accelerate recognise it and do not shard it again), plus
-    ``batch_size``: the per-rank batch of an equal split, as you would give
-    torch's DataLoader; the global batch is ``batch_size * num_replicas``.
-
-    Use it either way:
+    torch's subclass and constructor (so Lightning and Accelerate recognise it
+    and do not shard again), plus ``batch_size``: the per-rank batch of an
+    equal split, as given to torch's DataLoader; the global batch is
+    ``batch_size * num_replicas``. Use it either way:
 
     * adaptive (recommended): ``DataLoader(ds, batch_sampler=sampler.batch_sampler())``
-      follows split changes by itself, also within an epoch;
+      follows split changes, also within an epoch;
     * classic: ``DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)``;
-      the split is fixed while that loader lives. A ``batch_size`` that does
-      not match this rank's share is refused at the first step.
+      the split is fixed while that loader lives, and a ``batch_size`` that
+      is not this rank's share is refused at the first step.
 
     Args:
-        dataset: the dataset (only its length is used).
-        num_replicas: number of ranks (default: the process group's world size,
-            1 without a process group).
-        rank: this rank (default: the process group rank, 0 without one).
-        shuffle: shuffle with ``seed + epoch``.
-        seed: base seed; must be the same on every rank.
-        drop_last: drop the last, short step instead of splitting it.
+        dataset, num_replicas, rank, shuffle, seed, drop_last: as torch's
+            (``drop_last`` drops the short last step instead of splitting it).
         batch_size: per-rank batch of an equal split (default
-            :data:`DEFAULT_BATCH_SIZE` = 32); the split itself follows the
-            capabilities.
-        capabilities: samples/s per rank (sequence or ``{rank: value}``). Default:
-            each rank's ``KAITIAN_CAPABILITY`` (from ``kaitian init``),
-            exchanged through the process group; equal split when unknown.
+            :data:`DEFAULT_BATCH_SIZE`).
+        capabilities: samples/s per rank (sequence or ``{rank: value}``).
+            Default: each rank's ``KAITIAN_CAPABILITY`` (``kaitian init``),
+            exchanged through ``group``; equal when unknown.
         group: process group used to exchange capabilities.
-        min_batch_size: the smallest batch any rank gets in any step (the
-            short last step included); 2 suits BatchNorm, which cannot take 1.
-            :class:`kaitian.DistributedDataParallel` raises it to 2 when the
-            model has BatchNorm.
+        min_batch_size: the smallest batch any rank gets in any step, the
+            short last one included (BatchNorm needs 2; kaitian's DDP raises it).
 
     Raises:
         SplitError: the batch cannot be split (e.g. ``batch_size < 1``).
@@ -134,8 +124,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._draws = 0  # batches handed out by batch_sampler(), over all epochs
         self._epoch_step = 0  # batches handed out in the current epoch
         self._resume_step: Optional[tuple] = None  # (epoch, step) from load_state_dict
-        self._first = 0  # the current epoch's first step (0, or the checkpoint's)
-        self._yielded = 0  # indices __iter__ handed out in the current epoch
+        self.first_step = 0  # where the current epoch's iteration started: 0, or a checkpoint's step
+        # indices iter(self) handed out this epoch: what a DataLoader with its own batch_size took
+        self.yielded = 0
         self._perm: Optional[tuple] = None  # ((len, shuffle, seed, epoch), permutation)
         self.last_batch_size = self._split[self.rank]  # size of the batch handed out last
         self._split_listeners = Listeners()
@@ -165,13 +156,13 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     @property
     def last_step_padding(self) -> int:
         """Samples the last step repeats so that every rank has its minimum (0 without padding)."""
-        full, rest = self._layout()
+        full, rest = self.layout()
         return sum(rest) - (len(self.dataset) - full * self.global_batch_size) if rest else 0
 
     @property
     def total_size(self) -> int:
         """Samples all ranks yield per epoch, padding included (torch's attribute)."""
-        full, rest = self._layout()
+        full, rest = self.layout()
         return full * self.global_batch_size + (sum(rest) if rest else 0)
 
     def require_min_batch_size(self, minimum: int) -> None:
@@ -239,59 +230,34 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch under the current split."""
-        full, rest = self._layout()
+        full, rest = self.layout()
         return full * self._split[self.rank] + (rest[self.rank] if rest else 0)
 
     @property
     def num_steps(self) -> int:
         """Steps per epoch; the same on every rank."""
-        full, rest = self._layout()
+        full, rest = self.layout()
         return full + (1 if rest else 0)
 
-    def _layout(self) -> Tuple[int, Optional[List[int]]]:
-        """(full steps, per-rank sizes of the short last step or None)."""
-        n = len(self.dataset)
-        if n == 0:
-            raise SplitError("the dataset is empty")
-        full, remainder = divmod(n, self.global_batch_size)
-        if remainder == 0 or self.drop_last:
-            if full == 0:
-                raise SplitError(
-                    f"drop_last=True with {n} samples and a global batch of "
-                    f"{self.global_batch_size} leaves no step; lower batch_size"
-                )
-            return full, None
-        # Pad the last step so that every rank gets its minimum batch.
-        remainder = max(remainder, self.min_batch_size * self.num_replicas)
-        return full, proportional_split(remainder, self._split, caps=self._split, minimum=self.min_batch_size)
+    def layout(self) -> Tuple[int, Optional[List[int]]]:
+        """(full steps, per-rank sizes of the short last step or ``None``) under the current split."""
+        return epoch_layout(len(self.dataset), self._split, self.min_batch_size, self.drop_last)
 
     def _permutation(self) -> List[int]:
-        n = len(self.dataset)
-        key = (n, self.shuffle, self.seed, self.epoch)
+        key = (len(self.dataset), self.shuffle, self.seed, self.epoch)
         if self._perm is None or self._perm[0] != key:  # drawn step by step: one permutation per epoch
-            if not self.shuffle:
-                perm = list(range(n))
-            else:
-                g = torch.Generator()
-                g.manual_seed(self.seed + self.epoch)
-                perm = torch.randperm(n, generator=g).tolist()
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            perm = torch.randperm(key[0], generator=g).tolist() if self.shuffle else list(range(key[0]))
             self._perm = (key, perm)
         return self._perm[1]
 
-    @staticmethod
-    def _take(perm: List[int], start: int, count: int) -> List[int]:
-        """``count`` indices from ``start``, wrapping round (padding)."""
-        n = len(perm)
-        if start + count <= n:
-            return perm[start:start + count]
-        return [perm[(start + i) % n] for i in range(count)]
-
     def _cut(self, step: int) -> List[int]:
         """This rank's indices of ``step`` of the current epoch under the current split."""
-        full, rest = self._layout()
+        full, rest = self.layout()
         sizes = self._split if step < full else rest
         start = step * self.global_batch_size + sum(sizes[: self.rank])
-        indices = self._take(self._permutation(), start, sizes[self.rank])
+        perm = self._permutation()
+        indices = [perm[i % len(perm)] for i in range(start, start + sizes[self.rank])]  # wraps round: padding
         self._epoch_step = step + 1
         self.last_batch_size = len(indices)
         return indices
@@ -313,16 +279,16 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 self.rank, self._split, before[self.rank],
             )
         resume, self._resume_step = self._resume_step, None
-        self._first = resume[1] if resume is not None and resume[0] == self.epoch else 0
-        self._yielded = 0
-        for step in range(self._first, self.num_steps):
+        self.first_step = resume[1] if resume is not None and resume[0] == self.epoch else 0
+        self.yielded = 0
+        for step in range(self.first_step, self.num_steps):
             yield self.draw(step) if follow_split else self._cut(step)
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices step after step, for ``DataLoader(ds, batch_size=local_batch_size, sampler=self)``."""
         for indices in self._epoch(follow_split=False):
             for index in indices:
-                self._yielded += 1
+                self.yielded += 1
                 yield index
 
     def epoch_batches(self) -> Iterator[List[int]]:
@@ -342,17 +308,12 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         return self._cut(step)
 
     def reshape(self, num_replicas: int, rank: int, split: Sequence[int]) -> None:
-        """Takes a new world with the same global batch, also mid-epoch (:mod:`kaitian.elastic`).
+        """Takes a new world of ``num_replicas`` ranks with the same global batch, also mid-epoch
+        (:mod:`kaitian.elastic`); call it alike on every rank of the new world.
 
         The epoch, its permutation and the step are kept, so drawing a step
-        again gives the same global batch cut at the new ranks. Call it with
-        the same ``num_replicas`` and ``split`` on every rank of the new world.
-
-        Args:
-            num_replicas: ranks in the new world.
-            rank: this rank in it.
-            split: one batch size per new rank, summing to the global batch;
-                it replaces the current split and any pending change.
+        again gives the same global batch cut at the new ranks. ``split`` (one
+        size per new rank) replaces the current split and any pending change.
 
         Raises:
             SplitError: ``split`` does not fit the new world or the global batch.
@@ -366,48 +327,6 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.capabilities = [float(s) for s in sizes]
         self.batch_size = max(1, self.global_batch_size // self.num_replicas)  # the equal split's, nominally
         self.last_batch_size = sizes[self.rank]
-
-    @property
-    def yielded(self) -> int:
-        """Indices ``iter(sampler)`` handed out in this epoch: what a DataLoader with its own ``batch_size`` took.
-
-        0 when batches are handed out whole (:meth:`batch_sampler`, :meth:`draw`).
-        """
-        return self._yielded
-
-    def check_yielded(self, yielded: Sequence[int]) -> None:
-        """Refuses DataLoaders whose batches cut this epoch's steps; ``yielded``: every rank's :attr:`yielded`.
-
-        kaitian's DDP and :func:`kaitian.scale_loss` exchange :attr:`yielded`
-        with each step's counts and call this on every rank. A DataLoader that
-        takes whole steps of its rank's share is at a step boundary whenever a
-        step trains (also with workers that draw ahead); one whose
-        ``batch_size`` is not that share soon is not, and ranks would run
-        different numbers of steps.
-
-        Raises:
-            TrainingError: naming each rank whose loader stands inside a step.
-        """
-        if len(yielded) != self.num_replicas:
-            return
-        full, rest = self._layout()
-        whole = max(0, full - self._first)  # full steps from where this epoch started
-        cut = []
-        for rank, (taken, share) in enumerate(zip(yielded, self._split)):
-            taken = int(taken)
-            if taken <= whole * share:
-                inside = taken % share != 0
-            else:
-                inside = rest is None or taken != whole * share + rest[rank]
-            if inside:
-                cut.append(f"rank {rank}'s DataLoader has taken {taken} samples, not whole steps of {share}")
-        if cut:
-            raise TrainingError(
-                f"{', '.join(cut)} (kaitian's split {self._split}): a DataLoader's batch_size must be its rank's "
-                "share, or ranks run different numbers of steps; use DataLoader(ds, "
-                "batch_sampler=sampler.batch_sampler()) (follows re-balancing) or "
-                "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
-            )
 
     def batch_sampler(self) -> "KaitianBatchSampler":
         """A batch sampler for ``DataLoader(ds, batch_sampler=...)`` that follows the split."""
@@ -470,11 +389,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
 
 class KaitianBatchSampler(torch.utils.data.BatchSampler):
-    """Yields this rank's index lists step by step, reading the split as it goes.
-
-    A ``BatchSampler`` (what trainers expect after ``batch_sampler=``), driven
-    by a :class:`DistributedSampler`.
-    """
+    """A ``BatchSampler`` (what trainers expect after ``batch_sampler=``) that yields this rank's
+    batches step by step, reading the :class:`DistributedSampler`'s split as it goes."""
 
     def __init__(self, sampler: DistributedSampler) -> None:  # torch's __init__ checks a fixed size
         self.sampler = sampler

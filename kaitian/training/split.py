@@ -9,7 +9,7 @@ with no further agreement round.
 from __future__ import annotations
 
 import math
-from typing import List, Mapping, Optional, Sequence, Union
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
@@ -18,7 +18,7 @@ from kaitian.settings import settings
 from kaitian.training.exchange import gather_per_rank
 
 __all__ = [
-    "proportional_split", "plan_split", "gather_capabilities", "rank_capabilities", "optimize_batch_size", "SplitError",
+    "proportional_split", "epoch_layout", "plan_split", "gather_capabilities", "rank_capabilities", "optimize_batch_size", "SplitError",
 ]
 
 Capabilities = Union[Sequence[Optional[float]], Mapping[int, float]]
@@ -113,6 +113,34 @@ def proportional_split(
     for i in free:
         result[i] = base[i]
     return result
+
+
+def epoch_layout(
+    samples: int, split: Sequence[int], minimum: int = 1, drop_last: bool = False,
+) -> Tuple[int, Optional[List[int]]]:
+    """How an epoch of ``samples`` is cut into steps of the global batch ``sum(split)``.
+
+    Returns:
+        (full steps, per-rank sizes of the short last step or ``None``). The
+        short step's ``samples % sum(split)`` are split in proportion to
+        ``split`` (each rank at most its share), padded so that each rank has
+        ``minimum``; ``drop_last`` drops it.
+
+    Raises:
+        SplitError: no samples, or ``drop_last`` leaves no step.
+    """
+    if samples == 0:
+        raise SplitError("the dataset is empty")
+    full, remainder = divmod(samples, sum(split))
+    if remainder == 0 or drop_last:
+        if full == 0:
+            raise SplitError(
+                f"drop_last=True with {samples} samples and a global batch of {sum(split)} leaves no step; "
+                "lower batch_size"
+            )
+        return full, None
+    remainder = max(remainder, minimum * len(split))
+    return full, proportional_split(remainder, split, caps=split, minimum=minimum)
 
 
 def plan_split(

@@ -24,7 +24,7 @@ from kaitian.errors import TrainingError
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.sampler import DistributedSampler
 
-__all__ = ["scale_loss", "global_count", "StepCheck", "check_steps"]
+__all__ = ["scale_loss", "global_count", "StepCheck", "check_steps", "check_whole_steps"]
 
 Count = Union[int, float, torch.Tensor]
 
@@ -62,7 +62,7 @@ class StepCheck:
 
 def check_steps(tags: Sequence[Sequence[float]], sampler: Optional[DistributedSampler]) -> None:
     """Raises :class:`TrainingError` naming the ranks if their (epoch, step) tags differ, or if
-    a rank's DataLoader cuts the sampler's steps (:meth:`~kaitian.DistributedSampler.check_yielded`)."""
+    a rank's DataLoader cuts the sampler's steps."""
     if len({(int(e), int(s)) for e, s, _ in tags}) > 1:
         where = ", ".join(f"rank {r} at epoch {int(e)} step {int(s)}" for r, (e, s, _) in enumerate(tags))
         raise TrainingError(
@@ -71,7 +71,35 @@ def check_steps(tags: Sequence[Sequence[float]], sampler: Optional[DistributedSa
             "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
         )
     if sampler is not None:
-        sampler.check_yielded([tag[2] for tag in tags])
+        check_whole_steps(sampler, [tag[2] for tag in tags])
+
+
+def check_whole_steps(sampler: DistributedSampler, yielded: Sequence[int]) -> None:
+    """Refuses DataLoaders whose batches cut the sampler's steps; ``yielded``: every rank's
+    :attr:`~kaitian.DistributedSampler.yielded`.
+
+    A DataLoader that takes whole steps of its rank's share is at a step
+    boundary whenever a step trains (also with workers that draw ahead); one
+    whose ``batch_size`` is not that share soon is not, and ranks would run
+    different numbers of steps.
+    """
+    if len(yielded) != sampler.num_replicas:
+        return
+    full, rest = sampler.layout()
+    whole = max(0, full - sampler.first_step)  # full steps from where this epoch started
+    cut = []
+    for rank, (taken, share) in enumerate(zip(yielded, sampler.split)):
+        taken = int(taken)
+        inside = taken % share != 0 if taken <= whole * share else rest is None or taken != whole * share + rest[rank]
+        if inside:
+            cut.append(f"rank {rank}'s DataLoader has taken {taken} samples, not whole steps of {share}")
+    if cut:
+        raise TrainingError(
+            f"{', '.join(cut)} (kaitian's split {sampler.split}): a DataLoader's batch_size must be its rank's "
+            "share, or ranks run different numbers of steps; use DataLoader(ds, "
+            "batch_sampler=sampler.batch_sampler()) (follows re-balancing) or "
+            "DataLoader(ds, batch_size=sampler.local_batch_size, sampler=sampler)"
+        )
 
 
 _check = StepCheck()

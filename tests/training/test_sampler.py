@@ -13,6 +13,7 @@ import kaitian
 from kaitian.errors import TrainingError
 from kaitian.training.sampler import DistributedSampler, SplitError
 from kaitian.training.split import proportional_split
+from kaitian.training.weighting import check_whole_steps
 
 caps_strategy = st.lists(
     st.floats(min_value=0.05, max_value=50.0, allow_nan=False), min_size=1, max_size=6
@@ -199,13 +200,13 @@ def test_a_dataloader_whose_batches_cut_the_steps_is_named():
     assert [s.yielded for s in samplers] == [8, 8]
     with pytest.raises(TrainingError, match=r"^rank 0's DataLoader has taken 8 samples, not whole steps of 12 "
                                             r"\(kaitian's split \[12, 4\]\).*batch_sampler=sampler.batch_sampler\(\)"):
-        samplers[1].check_yielded([8, 8])
+        check_whole_steps(samplers[1], [8, 8])
     for s in samplers:
         s.set_epoch(1)
     loaders = [tud.DataLoader(range(100), batch_size=s.local_batch_size, sampler=s) for s in samplers]
     steps = 0
     for batches in zip(*loaders):  # whole steps at every step, the short last one too
-        samplers[0].check_yielded([s.yielded for s in samplers])
+        check_whole_steps(samplers[0], [s.yielded for s in samplers])
         steps += 1
     assert steps == samplers[0].num_steps and [s.yielded for s in samplers] == [len(s) for s in samplers]
     batches = [b.tolist() for b in tud.DataLoader(range(100), batch_size=samplers[0].local_batch_size,
