@@ -31,18 +31,14 @@ test: setup
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/docker-engine.sh; fi
 	@$(MAKE) --no-print-directory pytest
 
-# The suite without the setup step, in two passes (tests/conftest.py): all but
-# the `serial` tests on $(JOBS) pytest workers (pytest-xdist, a file per
-# worker), then the `serial` ones alone. A pass that selects nothing is fine;
-# both selecting nothing is an error.
+# The suite without the setup step, in two passes side by side where the
+# machine allows (scripts/test.sh): the `serial` files one after the other, the
+# rest on $(JOBS) pytest workers (pytest-xdist, a file per worker).
 JOBS ?= 2
+PASSES ?= both
+export PYTEST_ARGS JOBS PASSES
 pytest:
-	@export PATH="$(CURDIR)/$(VENV)/bin:$$PATH"; rc=0; \
-	$(VENV)/bin/python -m pytest -n $(JOBS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
-	srl=0; $(VENV)/bin/python -m pytest -m serial $(PYTEST_ARGS) || srl=$$?; \
-	if [ $$rc = 5 ] && [ $$srl = 5 ]; then echo "make test: pytest collected no tests from '$(PYTEST_ARGS)' (exit 5)"; exit 5; fi; \
-	[ $$rc = 5 ] && rc=0; [ $$srl = 5 ] && srl=0; \
-	[ $$rc = 0 ] || exit $$rc; exit $$srl
+	@bash scripts/test.sh
 
 docker-engine:
 	bash scripts/docker-engine.sh

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs a command so that it takes only the CPU the rest of the machine leaves
+# idle: `bash scripts/background.sh CMD...` (exit status: CMD's).
+# `bash scripts/background.sh --check` says (exit 0) whether that can be done.
+#
+# nice 19 alone is not enough: with the kernel's autogroups (on by default) each
+# new session gets its own group of equal weight, and the tests start their
+# ranks and agents in new sessions. So as root the command runs in its own CPU
+# cgroup marked idle (cgroup v1 or v2 `cpu.idle`), which everything it starts
+# inherits, sessions included; it is removed again when the command ends.
+# Without root (or without cpu.idle) there is no such isolation: --check fails.
+set -uo pipefail
+
+cpu_root() {  # the cgroup directory whose children take cpu.idle, or nothing
+  [ "$(id -u)" = 0 ] || return 1
+  if [ -f /sys/fs/cgroup/cpu/cpu.idle ]; then
+    echo /sys/fs/cgroup/cpu  # v1
+  elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+    grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control || echo +cpu > /sys/fs/cgroup/cgroup.subtree_control || return 1
+    echo /sys/fs/cgroup  # v2
+  else
+    return 1
+  fi
+}
+
+root=$(cpu_root) || root=
+if [ "${1:-}" = --check ]; then
+  [ -n "$root" ] && [ -w "$root" ]
+  exit
+fi
+[ $# -gt 0 ] || { echo "usage: bash scripts/background.sh CMD... | --check" >&2; exit 2; }
+
+group=
+if [ -n "$root" ]; then
+  group=$root/kaitian-background-$$
+  if mkdir "$group" 2>/dev/null && echo 1 > "$group/cpu.idle" && echo $$ > "$group/cgroup.procs"; then
+    :
+  else
+    rmdir "$group" 2>/dev/null
+    group=
+    echo "[background] no idle CPU cgroup under $root: nice 19 only" >&2
+  fi
+fi
+rc=0
+nice -n 19 ionice -c 2 -n 7 "$@" || rc=$?
+if [ -n "$group" ]; then
+  echo $$ > "$root/cgroup.procs"
+  rmdir "$group" 2>/dev/null || echo "[background] $group still holds processes; left in place" >&2
+fi
+exit $rc

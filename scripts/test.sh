@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `make pytest` (and `make test` after the setup): the suite in its two passes
+# (tests/conftest.py). The `serial` files need the machine: they run one after
+# the other in the foreground. The rest runs on $JOBS pytest workers (xdist, a
+# file per worker) beside them, in the background (scripts/background.sh: only
+# the CPU the serial pass leaves idle) where that can be done, else after them.
+# Its output follows the serial pass's.
+#
+# Environment (the Makefile sets it): KAITIAN_VENV, PYTEST_ARGS (shell words),
+# JOBS, PASSES (both, serial or parallel: CI runs an end torch's passes in its
+# own lanes). A pass that selects nothing is fine; both selecting nothing is an
+# error (exit 5).
+set -uo pipefail
+export PATH="$PWD/$KAITIAN_VENV/bin:$PATH"
+py=$KAITIAN_VENV/bin/python
+eval "set -- ${PYTEST_ARGS:-tests}"
+parallel=("$py" -m pytest -n "${JOBS:-2}" --dist loadfile -m "not serial" "$@")
+serial=("$py" -m pytest -m serial "$@")
+
+par=5 srl=5
+case ${PASSES:-both} in
+  parallel) "${parallel[@]}"; par=$? ;;
+  serial) "${serial[@]}"; srl=$? ;;
+  both)
+    if bash scripts/background.sh --check; then
+      log=$(mktemp)
+      bash scripts/background.sh "${parallel[@]}" > "$log" 2>&1 &
+      pid=$!
+      echo "[test] the parallel pass runs in the background (pid $pid); its output follows the serial pass's"
+      "${serial[@]}"; srl=$?
+      wait $pid; par=$?
+      printf '\n[test] the parallel pass (exit %s):\n' "$par"
+      cat "$log"
+      rm -f "$log"
+    else
+      "${parallel[@]}"; par=$?
+      "${serial[@]}"; srl=$?
+    fi ;;
+  *) echo "scripts/test.sh: PASSES must be both, serial or parallel, not '$PASSES'" >&2; exit 2 ;;
+esac
+if [ $par = 5 ] && [ $srl = 5 ]; then
+  echo "make test: pytest collected no tests from '${PYTEST_ARGS:-tests}' (exit 5)"
+  exit 5
+fi
+[ $par = 5 ] && par=0
+[ $srl = 5 ] && srl=0
+[ $par = 0 ] || exit $par
+exit $srl
