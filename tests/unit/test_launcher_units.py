@@ -356,6 +356,36 @@ def test_quota_mode_without_cgroups(tmp_path, monkeypatch):
         cpu_limits.quota_mode("cgroup")
 
 
+def test_signal_quota_holds_its_fraction_when_the_throttling_thread_wakes_up_late(monkeypatch):
+    """--cpu-quota in signal mode: the duty cycle's stops come 3 ms late (the agent's
+    thread on a busy machine); the worker still runs 10 % of the time, not 2 + 3 ms of
+    every 20 + 3."""
+    import signal
+    import time
+    from kaitian.launcher.runtimes import cpu_limits
+
+    events = []
+    monkeypatch.setattr(cpu_limits.DutyCycle, "_signal", staticmethod(lambda pid, sig: events.append((time.monotonic(), sig))))
+
+    class LateStop(threading.Event):
+        def wait(self, timeout=None):
+            return super().wait(None if timeout is None else timeout + 0.003)
+
+    duty = cpu_limits.DutyCycle(period=0.02)
+    duty._stop = LateStop()
+    duty.add([12345], 0.1)
+    time.sleep(2.0)
+    duty.release()
+    running, since = 0.0, None
+    for at, sig in events:
+        if sig == signal.SIGCONT and since is None:
+            since = at
+        elif sig == signal.SIGSTOP and since is not None:
+            running, since = running + at - since, None
+    fraction = running / (events[-1][0] - events[0][0])
+    assert 0.07 < fraction < 0.13, f"ran {fraction:.3f} of the time under a 0.1 quota"
+
+
 # --- PET_* forms of kaitian's flags ------------------------------------------------------------
 
 _PET_VALUES = {"nproc_auto": ("1", True), "devices": ("cuda:0,cpu", "cuda:0,cpu"), "cpu_slots": ("3", 3),

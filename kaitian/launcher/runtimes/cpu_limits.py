@@ -213,22 +213,34 @@ class DutyCycle:
                 pass
 
     def _loop(self) -> None:
+        # A target's share is of the cycles' real length, and what it ran beyond
+        # it (this thread woke up late on a busy machine) is taken back in the
+        # next cycles: the fraction holds under load, not only on an idle host.
+        owed: Dict[int, float] = {}  # pid -> seconds run beyond its share
         while not self._stop.is_set():
             start = time.monotonic()
             with self._lock:
-                targets = sorted(self._targets.items(), key=lambda kv: kv[1])
-            for pid, _ in targets:
-                self._signal(pid, signal.SIGCONT)
-            for pid, fraction in targets:
-                delay = start + fraction * self._period - time.monotonic()
+                targets = dict(self._targets)
+            share = {pid: fraction * self._period - owed.get(pid, 0.0) for pid, fraction in targets.items()}
+            for pid in targets:
+                if share[pid] > 0:
+                    self._signal(pid, signal.SIGCONT)
+            ran: Dict[int, float] = {}
+            for pid in sorted(share, key=share.get):
+                delay = start + share[pid] - time.monotonic()
                 if delay > 0 and self._stop.wait(delay):
                     break
                 with self._lock:  # never stop a process release() has just let go
                     if pid in self._targets:
                         self._signal(pid, signal.SIGSTOP)
+                ran[pid] = time.monotonic() - start if share[pid] > 0 else 0.0
             rest = start + self._period - time.monotonic()
             if rest > 0:
                 self._stop.wait(rest)
+            cycle = time.monotonic() - start
+            # (a long stall while stopped is not made up in one burst: at most one extra share)
+            owed = {pid: max(owed.get(pid, 0.0) + ran[pid] - targets[pid] * cycle, -targets[pid] * self._period)
+                    for pid in ran}
         with self._lock:
             for pid in self._targets:
                 self._signal(pid, signal.SIGCONT)
