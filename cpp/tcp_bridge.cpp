@@ -111,7 +111,12 @@ void TcpBridge::transfer(std::vector<Transfer> sends, std::vector<Transfer> recv
       out[t.peer].push_back(std::move(t));
     }
   }
-  for (auto& t : recvs) if (t.bytes > 0) in[t.peer].push_back(std::move(t));
+  for (auto& t : recvs) {
+    if (t.bytes > 0) {
+      t.orig = t.bytes;
+      in[t.peer].push_back(std::move(t));
+    }
+  }
   struct Boundary {  // runs however transfer() exits
     TcpBridge* self;
     std::vector<std::deque<Transfer>>& out;
@@ -147,6 +152,12 @@ void TcpBridge::transfer(std::vector<Transfer> sends, std::vector<Transfer> recv
           const ssize_t k = ::send(fds[p], t.ptr, t.bytes, MSG_NOSIGNAL);
           if (k < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+            const int sendErrno = errno;
+            // A peer whose group broke sends why, then closes: its reason may be
+            // waiting where this rank's next frame header would be read.
+            const bool atHeader = in[p].empty() || (in[p].front().done && in[p].front().bytes == in[p].front().orig);
+            if (atHeader) raiseIfAborted(p, fds[p], dl);
+            errno = sendErrno;
             if (peerGone()) dl.breakGroup(peerGoneText(p, "data") + " (sending: " + errnoText() + ")");
             dl.breakGroup("sending to rank " + std::to_string(p) + " failed: " + errnoText() +
                           " (it exited, crashed, or its process group broke)");
@@ -410,19 +421,27 @@ std::string TcpBridge::watchPeers(const std::vector<int>& with, const Deadline& 
   for (int p = 0; p < size_; ++p) {
     const int fd = p < static_cast<int>(coll_.size()) ? coll_[p] : -1;
     if (fd < 0) continue;
+    raiseIfAborted(p, fd, dl);
     Frame f;
     const ssize_t k = ::recv(fd, &f, sizeof(f), MSG_PEEK | MSG_DONTWAIT);
     const bool watched = std::find(with.begin(), with.end(), p) != with.end();
-    if (k == static_cast<ssize_t>(sizeof(f)) && f.magic == kFrameMagic && f.kind == kAbort) {
-      ioAll(fd, reinterpret_cast<uint8_t*>(&f), sizeof(f), false, p, dl);
-      checkFrame(f, p, fd, kData, 0, 0, dl);  // reads the failure text and raises it
-    }
     if (watched && (k == 0 || (k < 0 && peerGone()))) {
       return "rank " + std::to_string(p) + " failed or exited while this rank waited for " + what +
              " (its connection closed; see its log)";
     }
   }
   return "";
+}
+
+// An abort frame at the head of fd's incoming stream (peeked, never blocking):
+// the peer's group broke; reads its first failure and raises it.
+void TcpBridge::raiseIfAborted(int peer, int fd, const Deadline& dl) {
+  Frame f;
+  const ssize_t k = ::recv(fd, &f, sizeof(f), MSG_PEEK | MSG_DONTWAIT);
+  if (k == static_cast<ssize_t>(sizeof(f)) && f.magic == kFrameMagic && f.kind == kAbort) {
+    ioAll(fd, reinterpret_cast<uint8_t*>(&f), sizeof(f), false, peer, dl);
+    checkFrame(f, peer, fd, kData, 0, 0, dl);  // reads the failure text and raises it
+  }
 }
 
 // Sends an abort frame (with the first failure) on every connection of one

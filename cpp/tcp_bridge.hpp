@@ -39,13 +39,14 @@ class TcpBridge : public Bridge {
     int64_t bytes;
     std::function<void()> done = {};  // receives: runs once complete (checks a frame)
     bool frameStart = false;          // sends: the first piece of a frame
-    int64_t orig = 0;
+    int64_t orig = 0;                 // bytes before the first byte moved
   };
   // Moves every send and receive concurrently (poll), in list order per peer.
   void transfer(std::vector<Transfer> sends, std::vector<Transfer> recvs,
                 const std::vector<int>& fds, const Deadline& dl);
   void checkFrame(const TcpFrame& f, int peer, int fd, int32_t kind, uint64_t call,
                   int32_t phase, const Deadline& dl);
+  void raiseIfAborted(int peer, int fd, const Deadline& dl);
   void abortChannel(const std::vector<int>& fds, std::mutex& mu, std::vector<char>& clean,
                     bool& aborted);
   int rank_, size_;
