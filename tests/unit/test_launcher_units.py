@@ -357,33 +357,36 @@ def test_quota_mode_without_cgroups(tmp_path, monkeypatch):
 
 
 def test_signal_quota_holds_its_fraction_when_the_throttling_thread_wakes_up_late(monkeypatch):
-    """--cpu-quota in signal mode: the duty cycle's stops come 3 ms late (the agent's
-    thread on a busy machine); the worker still runs 10 % of the time, not 2 + 3 ms of
-    every 20 + 3."""
+    """--cpu-quota in signal mode: every wait of the duty cycle ends 3 ms late (the
+    agent's thread on a busy machine); the worker still runs 10 % of the time, not
+    2 + 3 ms of every 20 + 3. On a virtual clock, so the machine's load cannot move it."""
     import signal
-    import time
     from kaitian.launcher.runtimes import cpu_limits
 
+    now = [0.0]
     events = []
-    monkeypatch.setattr(cpu_limits.DutyCycle, "_signal", staticmethod(lambda pid, sig: events.append((time.monotonic(), sig))))
+    monkeypatch.setattr(cpu_limits.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(cpu_limits.DutyCycle, "_signal", staticmethod(lambda pid, sig: events.append((now[0], sig))))
 
     class LateStop(threading.Event):
         def wait(self, timeout=None):
-            return super().wait(None if timeout is None else timeout + 0.003)
+            now[0] += timeout + 0.003
+            if now[0] >= 2.0:
+                self.set()
+            return self.is_set()
 
     duty = cpu_limits.DutyCycle(period=0.02)
     duty._stop = LateStop()
-    duty.add([12345], 0.1)
-    time.sleep(2.0)
-    duty.release()
+    duty._targets[12345] = 0.1
+    duty._loop()  # here, until the virtual clock reaches 2 s
     running, since = 0.0, None
     for at, sig in events:
         if sig == signal.SIGCONT and since is None:
             since = at
         elif sig == signal.SIGSTOP and since is not None:
             running, since = running + at - since, None
-    fraction = running / (events[-1][0] - events[0][0])
-    assert 0.07 < fraction < 0.13, f"ran {fraction:.3f} of the time under a 0.1 quota"
+    fraction = running / now[0]
+    assert 0.09 < fraction < 0.11, f"ran {fraction:.3f} of the time under a 0.1 quota"
 
 
 # --- PET_* forms of kaitian's flags ------------------------------------------------------------
