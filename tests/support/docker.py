@@ -13,14 +13,19 @@ runs them as its owner: most tests hand their directories to ``WORKER_UID``
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import os
+import sys
 
 import pytest
 
 __all__ = ["TEST_IMAGE", "WORKER_UID", "engine", "test_image", "kaitian_containers", "own", "inspect"]
 
-TEST_IMAGE = "kaitian-test:cpu-host"
+# The image mounts the Python environment the tests run from: one tag per
+# environment, so that test sessions from two environments at once (CI runs the
+# system Python's beside the main venv's) never run in each other's image.
+TEST_IMAGE = f"kaitian-test:cpu-host-{hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]}"
 # The unprivileged owner of the tests' working directories when they run as root.
 WORKER_UID = 4321 if os.getuid() == 0 else os.getuid()
 
