@@ -55,7 +55,7 @@ pip install -q "setuptools>=64" wheel ninja
 spec=.
 [ -n "$EXTRAS" ] && spec=".[$(echo "$EXTRAS" | tr ' ' ',')]"
 INSTALLED="$VENV_ABS/kaitian-installed"
-want_install="$spec $(sha1sum pyproject.toml | cut -c1-40)"
+want_install="$spec $(sha1sum pyproject.toml | cut -c1-40) $PWD"  # (an editable install points here)
 if [ "$(cat "$INSTALLED" 2>/dev/null)" != "$want_install" ]; then
   log "installing kaitian$([ -n "$EXTRAS" ] && echo " with [$EXTRAS]") (editable)"
   KAITIAN_NO_EXTENSION=1 pip install -q --no-build-isolation -e "$spec"

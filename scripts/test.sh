@@ -11,8 +11,9 @@
 # own lanes). A pass that selects nothing is fine; both selecting nothing is an
 # error (exit 5).
 set -uo pipefail
-export PATH="$PWD/$KAITIAN_VENV/bin:$PATH"
-py=$KAITIAN_VENV/bin/python
+case $KAITIAN_VENV in /*) venv=$KAITIAN_VENV ;; *) venv=$PWD/$KAITIAN_VENV ;; esac
+export PATH="$venv/bin:$PATH"
+py=$venv/bin/python
 eval "set -- ${PYTEST_ARGS:-tests}"
 parallel=("$py" -m pytest -n "${JOBS:-2}" --dist loadfile -m "not serial" "$@")
 serial=("$py" -m pytest -m serial "$@")

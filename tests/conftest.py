@@ -1,11 +1,12 @@
 """Shared pytest set-up: ``tests/`` is on ``sys.path`` (``pythonpath`` in
 pyproject.toml), so tests import their helpers as ``support.*``.
 
-``make test`` runs the suite in two passes (Makefile): everything but the
-``serial`` tests on two pytest workers, then the ``serial`` ones alone. Serial
-are the files whose assertions need the machine to themselves: deadlines of a
-second or two, a CPU quota measured against a whole core, a split that equal
-speeds must make equal. A new file of that kind is added here.
+``make test`` runs the suite in two passes (scripts/test.sh): the ``serial``
+files one after the other in the foreground, the rest on two pytest workers
+beside them, in the background (only the CPU the serial pass leaves idle).
+Serial are the files whose assertions need the machine: deadlines of a second
+or two, a CPU quota measured against a whole core, a split that equal speeds
+must make equal. A new file of that kind is added here.
 """
 
 import pytest
