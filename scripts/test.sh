@@ -25,6 +25,7 @@ case ${PASSES:-both} in
   both)
     if bash scripts/background.sh --check; then
       log=$(mktemp)
+      trap 'rm -f "$log"' EXIT
       bash scripts/background.sh "${parallel[@]}" > "$log" 2>&1 &
       pid=$!
       echo "[test] the parallel pass runs in the background (pid $pid); its output follows the serial pass's"
@@ -32,7 +33,6 @@ case ${PASSES:-both} in
       wait $pid; par=$?
       printf '\n[test] the parallel pass (exit %s):\n' "$par"
       cat "$log"
-      rm -f "$log"
     else
       "${parallel[@]}"; par=$?
       "${serial[@]}"; srl=$?
