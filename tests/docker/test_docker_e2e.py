@@ -81,6 +81,19 @@ def _wait_records(out, name, count, proc, timeout=120):
     return _records(out, name)
 
 
+def _run(argv, timeout, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` (output captured, text) that keeps the pid: the agent's, which labels its containers."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+    done = subprocess.CompletedProcess(argv, p.returncode, out, err)
+    done.pid = p.pid
+    return done
+
+
 def _no_workers_left():
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return SCRIPT not in ps
@@ -95,9 +108,9 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
     for runtime in ("local", "docker"):
         out = tmp_path / runtime
         own(str(out))
-        proc = subprocess.run(
+        proc = _run(
             _kaitianrun() + _args(runtime, image), env=_env(out, "train", DOCKER_E2E_BACKEND=os.environ.get("DOCKER_E2E_BACKEND", "kaitian")),
-            cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+            cwd=str(tmp_path), timeout=240,
         )
         assert proc.returncode == 0, f"{runtime}: {proc.stderr[-3000:]}"
         params[runtime] = torch.load(out / "params.pt")
@@ -114,7 +127,7 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
         assert len(setups) == 2
         for rank_attempt, setup in setups.items():
             assert any("bridge shm" in line for line in setup["lines"]), (rank_attempt, setup)
-    assert kaitian_containers(group="cpu0") == [] and kaitian_containers(group="cpu1") == []
+    assert kaitian_containers(agent_pid=proc.pid) == []  # (the docker run's; other tests' may be running)
 
 
 def test_cpu_host_image_from_a_conda_env_trains_in_that_env(tmp_path):
@@ -133,9 +146,8 @@ def test_cpu_host_image_from_a_conda_env_trains_in_that_env(tmp_path):
         params = {}
         for runtime in ("local", "docker"):
             out = own(str(tmp_path / runtime))
-            proc = subprocess.run([python, "-m", "kaitian.launcher.cli", *_args(runtime, tag)],
-                                  env={**env, "DOCKER_E2E_OUT": out}, cwd=str(tmp_path),
-                                  capture_output=True, text=True, timeout=240)
+            proc = _run([python, "-m", "kaitian.launcher.cli", *_args(runtime, tag)],
+                        env={**env, "DOCKER_E2E_OUT": out}, cwd=str(tmp_path), timeout=240)
             assert proc.returncode == 0, f"{runtime}: {proc.stderr[-3000:]}"
             params[runtime] = torch.load(os.path.join(out, "params.pt"))
         where = _records(tmp_path / "docker", "where")
@@ -148,7 +160,7 @@ def test_cpu_host_image_from_a_conda_env_trains_in_that_env(tmp_path):
             assert torch.equal(value, params["docker"][name]), name
     finally:
         engine().images.remove(tag, force=True)
-    assert kaitian_containers(group="cpu0") == [] and kaitian_containers(group="cpu1") == []
+    assert kaitian_containers(agent_pid=proc.pid) == []  # (the docker run's; other tests' may be running)
 
 
 def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
@@ -223,39 +235,40 @@ def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
 
 
 def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):
-    before = {c.id for c in kaitian_containers(keep=1)}
     used = []
+    pids = []
     try:
         for attempt in range(2):
             out = tmp_path / f"run{attempt}"
             own(str(out))
-            proc = subprocess.run(
+            proc = _run(
                 _kaitianrun() + _args("docker", image, "--keep-containers"), env=_env(out, "crash"),
-                cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+                cwd=str(tmp_path), timeout=120,
             )
+            pids.append(str(proc.pid))
             assert proc.returncode == 1, proc.stderr[-2000:]  # rank 1 exits 3; the containers stay
             used.append({r["group"]: r["container"] for r in _records(out, "where").values()})
-        kept = {c.id: c for c in kaitian_containers(keep=1) if c.id not in before}
+        # (other tests may keep containers meanwhile: only this test's agents' count)
+        kept = {c.id: c for c in kaitian_containers(keep=1) if c.labels.get("org.kaitian.agent-pid") in pids}
         assert len(kept) == 2 and all(c.status == "running" for c in kept.values())
         assert used[0] == used[1] and set(used[0].values()) == set(kept)
     finally:
         for c in kaitian_containers(keep=1):
-            if c.id not in before:
+            if c.labels.get("org.kaitian.agent-pid") in pids:
                 c.remove(force=True)
 
 
 def test_missing_image_fails_with_one_line(tmp_path, image):
-    before = {c.id for c in kaitian_containers()}
-    proc = subprocess.run(
+    proc = _run(
         _kaitianrun() + ["--standalone", "--nproc-per-node", "2", "--cpu-groups", "2", "--runtime", "docker",
                          "--image", "cpu=kaitian-test:no-such-image", SCRIPT],
-        env=_env(tmp_path, "train"), cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+        env=_env(tmp_path, "train"), cwd=str(tmp_path), timeout=120,
     )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "kaitian-test:no-such-image" in line]
     assert len(errors) == 1 and "not found" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert {c.id for c in kaitian_containers()} == before
+    assert not kaitian_containers(agent_pid=proc.pid)  # (other tests' containers may come and go meanwhile)
     assert _records(tmp_path, "where") == {}
 
 
