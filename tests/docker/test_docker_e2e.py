@@ -16,7 +16,7 @@ import torch
 
 from support import REPO, worker
 from support.conda_env import conda_activation, conda_style_env
-from support.docker import WORKER_UID, engine, inspect, kaitian_containers, own, test_image
+from support.docker import WORKER_UID, engine, inspect, kaitian_containers, own, run_agent, test_image
 from support.kept_logs import RUN_BASE, assert_logs_kept_after_failure, remove_new_kept_logs
 
 SCRIPT = worker("docker_train")
@@ -81,19 +81,6 @@ def _wait_records(out, name, count, proc, timeout=120):
     return _records(out, name)
 
 
-def _run(argv, timeout, **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run`` (output captured, text) that keeps the pid: the agent's, which labels its containers."""
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as p:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            raise
-    done = subprocess.CompletedProcess(argv, p.returncode, out, err)
-    done.pid = p.pid
-    return done
-
-
 def _no_workers_left():
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return SCRIPT not in ps
@@ -108,7 +95,7 @@ def test_training_in_two_containers_matches_local_runtime(tmp_path, image):
     for runtime in ("local", "docker"):
         out = tmp_path / runtime
         own(str(out))
-        proc = _run(
+        proc = run_agent(
             _kaitianrun() + _args(runtime, image), env=_env(out, "train", DOCKER_E2E_BACKEND=os.environ.get("DOCKER_E2E_BACKEND", "kaitian")),
             cwd=str(tmp_path), timeout=240,
         )
@@ -146,7 +133,7 @@ def test_cpu_host_image_from_a_conda_env_trains_in_that_env(tmp_path):
         params = {}
         for runtime in ("local", "docker"):
             out = own(str(tmp_path / runtime))
-            proc = _run([python, "-m", "kaitian.launcher.cli", *_args(runtime, tag)],
+            proc = run_agent([python, "-m", "kaitian.launcher.cli", *_args(runtime, tag)],
                         env={**env, "DOCKER_E2E_OUT": out}, cwd=str(tmp_path), timeout=240)
             assert proc.returncode == 0, f"{runtime}: {proc.stderr[-3000:]}"
             params[runtime] = torch.load(os.path.join(out, "params.pt"))
@@ -241,7 +228,7 @@ def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):
         for attempt in range(2):
             out = tmp_path / f"run{attempt}"
             own(str(out))
-            proc = _run(
+            proc = run_agent(
                 _kaitianrun() + _args("docker", image, "--keep-containers"), env=_env(out, "crash"),
                 cwd=str(tmp_path), timeout=120,
             )
@@ -259,7 +246,7 @@ def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):
 
 
 def test_missing_image_fails_with_one_line(tmp_path, image):
-    proc = _run(
+    proc = run_agent(
         _kaitianrun() + ["--standalone", "--nproc-per-node", "2", "--cpu-groups", "2", "--runtime", "docker",
                          "--image", "cpu=kaitian-test:no-such-image", SCRIPT],
         env=_env(tmp_path, "train"), cwd=str(tmp_path), timeout=120,

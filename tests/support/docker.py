@@ -16,11 +16,12 @@ import functools
 import hashlib
 import io
 import os
+import subprocess
 import sys
 
 import pytest
 
-__all__ = ["TEST_IMAGE", "WORKER_UID", "engine", "test_image", "kaitian_containers", "own", "inspect"]
+__all__ = ["TEST_IMAGE", "WORKER_UID", "engine", "test_image", "kaitian_containers", "own", "inspect", "run_agent"]
 
 # The image mounts the Python environment the tests run from: one tag per
 # environment, so that test sessions from two environments at once (CI runs the
@@ -87,3 +88,18 @@ def kaitian_containers(**labels):
 def inspect(container) -> dict:
     """``docker inspect`` of a container (fresh)."""
     return engine().api.inspect_container(container.id)
+
+
+def run_agent(argv, timeout, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` (output captured, text) of an agent that keeps its pid
+    (``.pid``): its containers carry it, so a test checks only its own while
+    other tests' containers come and go."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+    done = subprocess.CompletedProcess(argv, p.returncode, out, err)
+    done.pid = p.pid
+    return done
