@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -281,6 +282,37 @@ def test_close_stops_whole_process_groups_inside_the_container(run, tmp_path, mo
         procs = [p[-1] for p in c.top()["Processes"]]
         assert len(procs) == 2, procs  # only docker-init and the idle sleep are left
     assert kaitian_containers(run_id=rt.ctx.run_id)  # containers outlive a worker group
+
+
+def test_a_signal_while_the_workers_start_stops_them_and_their_log_threads(run, tmp_path, monkeypatch):
+    """Ctrl-C while torch starts the log tails (the workers already run): the
+    agent never gets the context, so the runtime must close it, or the tails
+    keep the agent from exiting and the workers keep running (seen in CI)."""
+    from torch.distributed.elastic.multiprocessing import tail_log
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    started = tail_log.TailLog.start
+    calls = []
+
+    def start_then_signal(self):
+        calls.append(self)
+        if len(calls) == 2:  # the first tail's threads run: the signal lands here
+            raise SignalException("got signal: 2", sigval=signal.SIGINT)
+        return started(self)
+
+    monkeypatch.setattr(tail_log.TailLog, "start", start_then_signal)
+    rt = run()
+    try:
+        with pytest.raises(SignalException):
+            _start(rt, tmp_path, _two_groups(), "sleep", tee=Std.ALL)
+    finally:
+        left = [t.name for t in threading.enumerate() if t.name.startswith("TailLog")]
+        calls[0].stop()  # (idempotent) so that a failure here does not hang pytest's exit
+    assert len(calls) == 2
+    assert not left
+    for c in kaitian_containers(run_id=rt.ctx.run_id):
+        procs = [p[-1] for p in c.top()["Processes"]]
+        assert len(procs) == 2, procs  # only docker-init and the idle sleep are left
 
 
 def test_shared_memory_and_host_network_work_across_containers(run, tmp_path):

@@ -1,14 +1,16 @@
 """kaitianrun's pure pieces: layout, selection rules, plans, logs specs, the kaitian rendezvous.
 
-No workers are started here (the end-to-end tests do that); the rendezvous
-test runs a real single-node c10d rendezvous.
+No workers are started here (the end-to-end tests do that) but one sleeping
+process; the rendezvous test runs a real single-node c10d rendezvous.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -344,6 +346,46 @@ def test_cuda_discovery_from_nvidia_smi(tmp_path, monkeypatch):
     assert [(d.key, d.bus_id) for d in cuda] == [("cuda:1", "0000:3b:00.0")]
     table = format_table(cuda)
     assert "79.6 GiB" in table and "PCIe5 x16" in table
+
+
+def test_a_signal_while_local_workers_are_pinned_stops_them(tmp_path, monkeypatch):
+    """Ctrl-C after torch started the workers but before the runtime returned
+    their context (pinning them): the agent never gets the context, so the
+    runtime must close it, or the workers outlive the agent's shutdown."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from kaitian.launcher.plan import LocalWorker, NodePlan
+    from kaitian.launcher.runtimes import local
+    from kaitian.launcher.runtimes.base import RunContext, WorkerStart
+
+    pinned = []
+
+    def pin_then_signal(pid, cpus):
+        pinned.append(pid)
+        raise SignalException("got signal: 2", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(local, "pin", pin_then_signal)
+    worker = LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))
+    runtime = local.LocalRuntime(RunContext("t", str(tmp_path), None, str(tmp_path), plan=NodePlan((worker,))))
+    with pytest.raises(SignalException):
+        runtime.start(WorkerStart(
+            name="sleeper", entrypoint="sleep", args={0: ("600",)}, envs={0: {}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), workers={0: worker},
+        ))
+    assert len(pinned) == 1
+    deadline = time.monotonic() + 10
+    while _alive(pinned[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pinned[0])
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_quota_mode_without_cgroups(tmp_path, monkeypatch):

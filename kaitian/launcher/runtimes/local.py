@@ -92,10 +92,14 @@ class LocalRuntime(Runtime):
             duplicate_stdout_filters=opts.duplicate_stdout_filters,
             duplicate_stderr_filters=opts.duplicate_stderr_filters,
         )
-        pids = pcontext.pids()
-        for key, worker in job.workers.items():
-            pin(pids[key], worker.cpus)
-        self._apply_quotas(pids, job.workers)
+        try:
+            pids = pcontext.pids()
+            for key, worker in job.workers.items():
+                pin(pids[key], worker.cpus)
+            self._apply_quotas(pids, job.workers)
+        except BaseException:  # (a Ctrl-C too) the agent never sees this context: close it here
+            pcontext.close()
+            raise
         return pcontext
 
     def _apply_quotas(self, pids: Dict[int, int], workers: Dict[int, LocalWorker]) -> None:

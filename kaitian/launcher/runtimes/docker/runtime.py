@@ -160,7 +160,11 @@ class DockerRuntime(Runtime):
             duplicate_stdout_filters=self.ctx.options.duplicate_stdout_filters,
             duplicate_stderr_filters=self.ctx.options.duplicate_stderr_filters,
         )
-        pc.start()
+        try:
+            pc.start()
+        except BaseException:  # (a Ctrl-C while the log tails start) the agent never sees this context
+            pc.close()
+            raise
         return pc
 
     def exit_codes(self, pcontext: PContext) -> Dict[int, Optional[int]]:
