@@ -32,7 +32,7 @@ test: setup
 	@$(MAKE) --no-print-directory pytest
 
 # The suite without the setup step, in two passes side by side where the
-# machine allows (scripts/test.sh): the `serial` files one after the other, the
+# machine allows (scripts/test.sh): the `serial` tests one after the other, the
 # rest on $(JOBS) pytest workers (pytest-xdist, a file per worker).
 JOBS ?= 2
 PASSES ?= both

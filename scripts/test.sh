@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # `make pytest` (and `make test` after the setup): the suite in its two passes
-# (tests/conftest.py). The `serial` files need the machine: they run one after
+# (tests/conftest.py). The `serial` tests need the machine: they run one after
 # the other in the foreground. The rest runs on $JOBS pytest workers (xdist, a
 # file per worker) beside them, in the background (scripts/background.sh: only
 # the CPU the serial pass leaves idle) where that can be done, else after them.
 # Its output follows the serial pass's.
 #
 # Environment (the Makefile sets it): KAITIAN_VENV, PYTEST_ARGS (shell words),
-# JOBS, PASSES (both, serial or parallel: CI runs an end torch's passes in its
-# own lanes). A pass that selects nothing is fine; both selecting nothing is an
-# error (exit 5).
+# JOBS, PASSES (both, serial or parallel: CI runs each pass in its own lane).
+# A pass that selects nothing is fine; both selecting nothing is an error (exit 5).
 set -uo pipefail
 case $KAITIAN_VENV in /*) venv=$KAITIAN_VENV ;; *) venv=$PWD/$KAITIAN_VENV ;; esac
 export PATH="$venv/bin:$PATH"

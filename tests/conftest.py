@@ -2,11 +2,13 @@
 pyproject.toml), so tests import their helpers as ``support.*``.
 
 ``make test`` runs the suite in two passes (scripts/test.sh): the ``serial``
-files one after the other in the foreground, the rest on two pytest workers
+tests one after the other in the foreground, the rest on pytest workers
 beside them, in the background (only the CPU the serial pass leaves idle).
-Serial are the files whose assertions need the machine: deadlines of a second
+Serial are the tests whose assertions need the machine: deadlines of a second
 or two, a CPU quota measured against a whole core, a split that equal speeds
-must make equal. A new file of that kind is added here.
+must make equal. A file of such tests is named here; a file that mixes them
+with others marks them (``@pytest.mark.serial``), so that the rest, which only
+needs time, runs in the background.
 """
 
 import pytest
@@ -21,7 +23,6 @@ SERIAL_FILES = {
     "training/test_ddp_weighting.py",  # re-balances between CPU-quota groups
     "training/test_capability.py",  # measured capabilities
     "training/test_demo.py",  # a third of a core against a whole one
-    "launcher/test_launcher_e2e.py",  # teardown and signal deadlines
     "docker/test_docker_runtime.py",  # container CPU quotas, stop deadlines
     "elastic/test_elastic.py",  # the quorum's deadlines, SIGSTOP
     "elastic/test_elastic_cluster.py",  # a lost host decided after the quorum deadline
@@ -43,4 +44,4 @@ def pytest_configure(config):
     stale = sorted(f for f in SERIAL_FILES if not (config.rootpath / "tests" / f).is_file())
     if stale:
         raise pytest.UsageError(f"tests/conftest.py: SERIAL_FILES names missing files: {', '.join(stale)}")
-    config.addinivalue_line("markers", "serial: runs alone, after the parallel pass (tests/conftest.py)")
+    config.addinivalue_line("markers", "serial: needs the machine: runs in the foreground (tests/conftest.py)")

@@ -257,6 +257,7 @@ def test_failure_exit_code_and_root_cause(tmp_path):
     assert not _leftovers(k.pid)
 
 
+@pytest.mark.serial  # stopped within 20 s
 @pytest.mark.parametrize("sig,mode", [(signal.SIGINT, "auto"), (signal.SIGTERM, "signal")],
                          ids=["SIGINT", "SIGTERM-stopped-workers"])
 def test_signal_stops_everything(tmp_path, sig, mode):
@@ -289,6 +290,7 @@ def test_signal_stops_everything(tmp_path, sig, mode):
     assert not _leftovers(proc.pid), "left behind"
 
 
+@pytest.mark.serial  # torn down within 4 s
 def test_externally_stopped_worker_stops_within_the_shutdown_timeout(tmp_path):
     """A worker someone SIGSTOPped cannot act on SIGTERM: the agent sends SIGCONT
     with it, so it exits at once, not after --shutdown-timeout (5 s) or torch's 30 s
@@ -303,6 +305,7 @@ def test_externally_stopped_worker_stops_within_the_shutdown_timeout(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
+@pytest.mark.serial  # children gone within 5 s
 def test_children_a_worker_forked_end_with_the_job(tmp_path):
     """A successful job takes what its workers forked and left running (issue 20)."""
     proc = _run([*_kaitianrun(), "--nproc-per-node", "2", _script("forker.py"), str(tmp_path)])
@@ -332,6 +335,7 @@ def test_no_torchelastic_dir_left_in_the_temp_dir(tmp_path):
     assert [n for n in os.listdir(tmp) if n.startswith("torchelastic_")] == []
 
 
+@pytest.mark.serial  # workers gone within seconds of the agent
 @pytest.mark.parametrize("mode", ["auto", "signal"])
 def test_killed_agent_takes_its_workers_and_leftovers_are_collected(tmp_path, mode):
     """SIGKILL on the agent: its workers die with it (issue 20: with the SIGSTOP duty
@@ -455,6 +459,7 @@ def test_two_nodes_different_mixes_train_with_kaitian(tmp_path):
         assert pg == pytest.approx(pk, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.serial  # a CPU share measured against a whole core
 @pytest.mark.parametrize("mode", ["cgroup", "signal"])
 def test_cpu_quota_throttles(tmp_path, mode):
     """--cpu-quota 0.1 for group cpu0: its busy loop gets at most ~0.1 s of CPU per second.
@@ -488,6 +493,7 @@ def test_cpu_quota_throttles(tmp_path, mode):
     assert not _leftovers(proc.pid)
 
 
+@pytest.mark.serial  # the first node must still run when the second comes
 def test_node_joins_running_job(tmp_path):
     """--nnodes 1:2: a second node joining restarts the group into one bigger world.
 
@@ -554,6 +560,7 @@ def test_plain_torchrun_uses_kaitian_rendezvous_entry_point(tmp_path):
     assert sorted(_dumps(str(out))) == [0, 1]
 
 
+@pytest.mark.serial  # SIGKILL after a 2 s timeout, measured
 @pytest.mark.skipif(TORCH < (2, 12), reason=f"torchrun has --shutdown-timeout from torch 2.12 (this is {torch.__version__})")
 def test_shutdown_timeout_escalates_to_sigkill(tmp_path):
     """Workers ignoring the forwarded signal are SIGKILLed after --shutdown-timeout."""
