@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from support import REPO, TESTS, WORKERS
+from support import REPO, TESTS, WORKERS, alive
 from support.entry_point import entry_point_site
 from support.ranks import free_port
 
@@ -101,14 +101,6 @@ def _leftovers(agent_pid):
     cgs = [d for d in (os.listdir(CGROUP_ROOT) if os.path.isdir(CGROUP_ROOT) else [])
            if d.endswith(f".{agent_pid}")]
     return dirs + cgs
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_files(pattern, count, proc, timeout=60):
@@ -286,7 +278,7 @@ def test_signal_stops_everything(tmp_path, sig, mode):
             proc.kill()
     assert proc.returncode != 0
     for pid in pids:
-        assert not _alive(pid), f"worker {pid} left running"
+        assert not alive(pid), f"worker {pid} left running"
     assert not _leftovers(proc.pid), "left behind"
 
 
@@ -302,7 +294,7 @@ def test_externally_stopped_worker_stops_within_the_shutdown_timeout(tmp_path):
     )
     pids, took = _terminate_and_time(proc, tmp_path, stop_first_worker=True)
     assert took < 4, f"teardown took {took:.1f} s"
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 @pytest.mark.serial  # children gone within 5 s
@@ -313,13 +305,13 @@ def test_children_a_worker_forked_end_with_the_job(tmp_path):
     children = [int(open(p).read()) for p in glob.glob(str(tmp_path / "child.*"))]
     assert len(children) == 2
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     try:
-        assert not any(_alive(p) for p in children), "a worker's child outlived the job"
+        assert not any(alive(p) for p in children), "a worker's child outlived the job"
     finally:
         for p in children:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 
@@ -350,18 +342,18 @@ def test_killed_agent_takes_its_workers_and_leftovers_are_collected(tmp_path, mo
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "workers outlived their agent"
+    assert not any(alive(p) for p in pids), "workers outlived their agent"
     # any kaitianrun start collects; a bad-input run is enough (it exits right after)
     out = tmp_path / "next"
     out.mkdir()
     nxt = _run([*_kaitianrun(), "--nproc-per-node", "1", _script("envdump.py"), str(out)])
     assert nxt.returncode == 0, nxt.stderr[-2000:]
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     assert not _leftovers(proc.pid) and not _leftovers(nxt.pid)
 
 
@@ -571,5 +563,5 @@ def test_shutdown_timeout_escalates_to_sigkill(tmp_path):
     pids, took = _terminate_and_time(proc, tmp_path)
     assert 1.5 < took < 15, f"stopped after {took:.1f} s"
     for pid in pids:
-        assert not _alive(pid)
+        assert not alive(pid)
     assert not _leftovers(proc.pid)

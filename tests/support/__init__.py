@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["REPO", "TESTS", "WORKERS", "worker", "repo_env"]
+__all__ = ["REPO", "TESTS", "WORKERS", "worker", "repo_env", "alive"]
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
@@ -26,3 +26,12 @@ def repo_env(env=None, **extra: str) -> dict:
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, TESTS, out.get("PYTHONPATH")]))
     out.update(extra)
     return out
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from support import REPO
+from support import REPO, alive
 
 from kaitian import _torch as te  # noqa: E402
 from kaitian.devices.inventory import (  # noqa: E402
@@ -375,17 +375,9 @@ def test_a_signal_while_local_workers_are_pinned_stops_them(tmp_path, monkeypatc
         ))
     assert len(pinned) == 1
     deadline = time.monotonic() + 10
-    while _alive(pinned[0]) and time.monotonic() < deadline:
+    while alive(pinned[0]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pinned[0])
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not alive(pinned[0])
 
 
 def test_quota_mode_without_cgroups(tmp_path, monkeypatch):
