@@ -139,7 +139,7 @@ def _terminate_and_time(proc, tmp_path, stop_first_worker: bool = False):
     [
         (["--nproc-per-node", "2", "--max-restarts", "2", "--role", "trainer"], {}),
         (["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-          "--master-port", "29631", "--node-rank", "0", "--rdzv-id", "fixed"], {}),
+          "--master-port", "{port}", "--node-rank", "0", "--rdzv-id", "fixed"], {}),
         ([], {"PET_NPROC_PER_NODE": "2", "PET_STANDALONE": "1", "PET_MAX_RESTARTS": "1", "PET_ROLE": "pet",
               "TORCHELASTIC_ENABLE_FILE_TIMER": "1"}),  # and torch's watchdog: its file reaches the workers
     ],
@@ -147,6 +147,8 @@ def _terminate_and_time(proc, tmp_path, stop_first_worker: bool = False):
 )
 def test_worker_env_matches_torchrun(tmp_path, flags, pet):
     """Same flags (or PET_* variables) -> every variable torchrun gives a worker has the same value."""
+    port = str(free_port())  # (not a fixed one: another torch's suite may run beside this one)
+    flags = [port if f == "{port}" else f for f in flags]
     outs = {}
     for name, launcher in (("torchrun", _torchrun()), ("kaitianrun", _kaitianrun())):
         out = tmp_path / name
@@ -492,7 +494,7 @@ def test_node_joins_running_job(tmp_path):
     The membership change does not use a restart (count stays 0), and the
     joining node, whose device mix differs, is laid out by vendor group.
     """
-    common = ["--nnodes", "1:2", "--rdzv-backend", "kaitian", "--rdzv-endpoint", "127.0.0.1:29643",
+    common = ["--nnodes", "1:2", "--rdzv-backend", "kaitian", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
               "--rdzv-id", "grow", "--rdzv-conf", "last_call_timeout=1", "--nproc-auto"]
     script = [_script("grow.py"), str(tmp_path), "3"]
     first = subprocess.Popen([*_kaitianrun(), *common, "--cpu-slots", "1", "--cpu-groups", "1", *script],
