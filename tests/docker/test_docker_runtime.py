@@ -307,7 +307,8 @@ def test_a_signal_while_the_workers_start_stops_them_and_their_log_threads(run, 
             _start(rt, tmp_path, _two_groups(), "sleep", tee=Std.ALL)
     finally:
         left = [t.name for t in threading.enumerate() if t.name.startswith("TailLog")]
-        calls[0].stop()  # (idempotent) so that a failure here does not hang pytest's exit
+        for tail in calls[:1]:  # (stop is idempotent) so that a failure here does not hang pytest's exit
+            tail.stop()
     assert len(calls) == 2
     assert not left
     for c in kaitian_containers(run_id=rt.ctx.run_id):
