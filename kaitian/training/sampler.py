@@ -1,21 +1,16 @@
 """A distributed sampler whose per-rank batch follows each device's speed.
 
-The global batch (``batch_size`` x world size, the same as with torch's
-sampler) is split across ranks in proportion to their capability (measured
-samples/s), so every rank takes about the same time per step. Every rank runs
-the same number of steps per epoch, and every sample is used exactly once per
-epoch; the only exception is documented padding when the last step has fewer
-samples than there are ranks.
-
-Epoch layout (``N`` samples, global batch ``B``, split ``b_0 .. b_{W-1}``)::
+The global batch (``batch_size`` x world size, as with torch's sampler) is cut
+across ranks in proportion to their capability, so every rank takes about the
+same time per step. Every rank runs the same steps, every sample is used once
+per epoch::
 
     permutation(seed + epoch) -> [ step 0: b_0 | b_1 | ... ][ step 1 ] ... [ last ]
-    steps = N // B full steps, plus one short step with the remaining N % B
-    samples split in proportion to b_r (each rank >= min_batch_size, <= b_r);
-    if fewer than W x min_batch_size remain, the first samples of the
-    permutation are repeated so that each rank has its minimum (padding, at
-    most W x min_batch_size - 1 samples). drop_last=True drops the short step
-    instead.
+
+``N // B`` full steps of the global batch ``B``, then one short step with the
+``N % B`` rest split in proportion (each rank at least ``min_batch_size``; if
+too few samples remain, the first of the permutation are repeated: at most
+``W x min_batch_size - 1``). ``drop_last=True`` drops the short step instead.
 """
 
 from __future__ import annotations
@@ -31,13 +26,7 @@ from kaitian.errors import SplitError
 from kaitian.training.listeners import Listeners
 from kaitian.training.split import Capabilities, epoch_layout, proportional_split, rank_capabilities
 
-__all__ = [
-    "DistributedSampler",
-    "KaitianBatchSampler",
-    "kaitian_sampler_of",
-    "SplitError",
-    "DEFAULT_BATCH_SIZE",
-]
+__all__ = ["DistributedSampler", "KaitianBatchSampler", "kaitian_sampler_of", "SplitError", "DEFAULT_BATCH_SIZE"]
 
 _log = logging.getLogger(__name__)
 
@@ -49,8 +38,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     torch's subclass and constructor (so Lightning and Accelerate recognise it
     and do not shard again), plus ``batch_size``: the per-rank batch of an
-    equal split, as given to torch's DataLoader; the global batch is
-    ``batch_size * num_replicas``. Use it either way:
+    equal split; the global batch is ``batch_size * num_replicas``. Use it
+    either way:
 
     * adaptive (recommended): ``DataLoader(ds, batch_sampler=sampler.batch_sampler())``
       follows split changes, also within an epoch;
@@ -61,8 +50,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     Args:
         dataset, num_replicas, rank, shuffle, seed, drop_last: as torch's
             (``drop_last`` drops the short last step instead of splitting it).
-        batch_size: per-rank batch of an equal split (default
-            :data:`DEFAULT_BATCH_SIZE`).
+        batch_size: per-rank batch of an equal split (default :data:`DEFAULT_BATCH_SIZE`).
         capabilities: samples/s per rank (sequence or ``{rank: value}``).
             Default: each rank's ``KAITIAN_CAPABILITY`` (``kaitian init``),
             exchanged through ``group``; equal when unknown.
@@ -96,47 +84,35 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 f"DistributedSampler(dataset, {num_replicas}): the second argument is num_replicas "
                 f"(torch's order) but the world has {world} ranks; pass batch_size={num_replicas}"
             )
-        if num_replicas is None:
-            num_replicas = world if world is not None else 1
-        if rank is None:
-            rank = dist.get_rank(group) if initialized else 0
+        num_replicas = num_replicas if num_replicas is not None else world or 1
+        rank = rank if rank is not None else dist.get_rank(group) if initialized else 0
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}]")
         batch_size = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
         if batch_size < 1:
             raise SplitError(f"batch_size must be at least 1, got {batch_size}")
-        if int(min_batch_size) < 1 or int(min_batch_size) > batch_size:
+        if not 1 <= int(min_batch_size) <= batch_size:
             raise SplitError(f"min_batch_size must be in [1, batch_size={batch_size}], got {min_batch_size}")
         # torch's attributes, under torch's names
-        self.dataset = dataset
-        self.num_replicas = int(num_replicas)
-        self.rank = int(rank)
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
-        self.epoch = 0
-        self.batch_size = batch_size
-        self.min_batch_size = int(min_batch_size)
+        self.dataset, self.num_replicas, self.rank = dataset, int(num_replicas), int(rank)
+        self.shuffle, self.seed, self.drop_last, self.epoch = bool(shuffle), int(seed), bool(drop_last), 0
+        self.batch_size, self.min_batch_size = batch_size, int(min_batch_size)
         self.global_batch_size = self.batch_size * self.num_replicas
         self.capabilities = rank_capabilities(self.num_replicas, capabilities, group)
         self._split = proportional_split(self.global_batch_size, self.capabilities, minimum=self.min_batch_size)
         self._pending: Optional[Tuple[List[int], Optional[int]]] = None  # (split, at draw; None: next epoch)
         self._draws = 0  # batches handed out by batch_sampler(), over all epochs
         self._epoch_step = 0  # batches handed out in the current epoch
-        self._resume_step: Optional[tuple] = None  # (epoch, step) from load_state_dict
+        self._resume_step: Optional[Tuple[int, int]] = None  # (epoch, step) from load_state_dict
         self.first_step = 0  # where the current epoch's iteration started: 0, or a checkpoint's step
-        # indices iter(self) handed out this epoch: what a DataLoader with its own batch_size took
-        self.yielded = 0
+        self.yielded = 0  # indices iter(self) handed out this epoch: what a DataLoader's own batch_size took
         self._perm: Optional[tuple] = None  # ((len, shuffle, seed, epoch), permutation)
         self.last_batch_size = self._split[self.rank]  # size of the batch handed out last
-        self._split_listeners = Listeners()
-        self._epoch_listeners = Listeners()
-        _log.info(
-            "rank %d: global batch %d split %s (capabilities %s)",
-            self.rank, self.global_batch_size, self._split, self.capabilities,
-        )
+        self._split_listeners, self._epoch_listeners = Listeners(), Listeners()
+        _log.info("rank %d: global batch %d split %s (capabilities %s)",
+                  self.rank, self.global_batch_size, self._split, self.capabilities)
 
-    # -- capabilities and split -------------------------------------------------
+    # -- the split ------------------------------------------------------------------
 
     @property
     def split(self) -> List[int]:
@@ -148,52 +124,28 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """This rank's batch per step under the current split."""
         return self._split[self.rank]
 
-    @property
-    def num_samples(self) -> int:
-        """Samples this rank yields per epoch (torch's attribute)."""
-        return len(self)
-
-    @property
-    def last_step_padding(self) -> int:
-        """Samples the last step repeats so that every rank has its minimum (0 without padding)."""
-        full, rest = self.layout()
-        return sum(rest) - (len(self.dataset) - full * self.global_batch_size) if rest else 0
-
-    @property
-    def total_size(self) -> int:
-        """Samples all ranks yield per epoch, padding included (torch's attribute)."""
-        full, rest = self.layout()
-        return full * self.global_batch_size + (sum(rest) if rest else 0)
-
     def require_min_batch_size(self, minimum: int) -> None:
-        """Raises :attr:`min_batch_size` (e.g. to 2 for BatchNorm); re-splits if a rank is below it.
-
-        Call it on every rank alike (it changes the split).
-        """
+        """Raises :attr:`min_batch_size` (e.g. to 2 for BatchNorm), re-splitting if a rank is below it;
+        call it alike on every rank."""
         minimum = int(minimum)
         if minimum <= self.min_batch_size:
             return
         if minimum * self.num_replicas > self.global_batch_size:
-            raise SplitError(
-                f"a minimum batch of {minimum} per rank needs a global batch of at least "
-                f"{minimum * self.num_replicas}, not {self.global_batch_size}; raise batch_size"
-            )
+            raise SplitError(f"a minimum batch of {minimum} per rank needs a global batch of at least "
+                             f"{minimum * self.num_replicas}, not {self.global_batch_size}; raise batch_size")
         self.min_batch_size = minimum
         if min(self._split) < minimum:
             self._split = proportional_split(self.global_batch_size, self._split, minimum=minimum)
 
     def set_split(self, batch_sizes: Sequence[int], after_draws: Optional[int] = None) -> None:
-        """Changes the per-rank batch sizes. Call it with the same values on every rank.
+        """Changes the per-rank batch sizes; call it with the same values on every rank.
 
         Args:
-            batch_sizes: one size per rank, each at least :attr:`min_batch_size`;
-                they must add up to the global batch, so the number of steps
-                per epoch stays the same.
-            after_draws: ``None`` applies the split from the next epoch (next
-                ``__iter__``). An integer ``k`` applies it to the batch sampler
-                after ``k`` more batches are drawn (``0`` = the next batch), so
-                a change may take effect within an epoch; every rank must make
-                it at the same point of its program.
+            batch_sizes: one size per rank, each at least :attr:`min_batch_size`,
+                adding up to the global batch (so the steps per epoch stay).
+            after_draws: ``None``: from the next epoch (next ``__iter__``). ``k``:
+                the batch sampler applies it after ``k`` more batches (``0`` =
+                the next one), at the same point of every rank's program.
 
         Raises:
             SplitError: wrong length, a size below the minimum, or the wrong sum.
@@ -202,7 +154,6 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self._pending = (self._checked(batch_sizes, self.num_replicas), at)
 
     def _checked(self, sizes: Sequence[int], ranks: int) -> List[int]:
-        """``sizes`` if they split the global batch over ``ranks`` ranks, each at least :attr:`min_batch_size`."""
         sizes = [int(s) for s in sizes]
         if len(sizes) != ranks:
             raise SplitError(f"split has {len(sizes)} entries for {ranks} ranks")
@@ -226,7 +177,11 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 _log.info("rank %d: new split %s (was %s)", self.rank, self._split, old)
                 self._split_listeners(old, list(self._split))
 
-    # -- epoch layout -------------------------------------------------------------
+    # -- the epoch ------------------------------------------------------------------
+
+    def layout(self) -> Tuple[int, Optional[List[int]]]:
+        """(full steps, per-rank sizes of the short last step or ``None``) under the current split."""
+        return epoch_layout(len(self.dataset), self._split, self.min_batch_size, self.drop_last)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch under the current split."""
@@ -234,21 +189,31 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         return full * self._split[self.rank] + (rest[self.rank] if rest else 0)
 
     @property
+    def num_samples(self) -> int:  # torch's attribute
+        return len(self)
+
+    @property
+    def total_size(self) -> int:
+        """Samples all ranks yield per epoch, padding included (torch's attribute)."""
+        full, rest = self.layout()
+        return full * self.global_batch_size + sum(rest or ())
+
+    @property
+    def last_step_padding(self) -> int:
+        """Samples the last step repeats so that every rank has its minimum (0 without padding)."""
+        return max(0, self.total_size - len(self.dataset))
+
+    @property
     def num_steps(self) -> int:
         """Steps per epoch; the same on every rank."""
         full, rest = self.layout()
         return full + (1 if rest else 0)
 
-    def layout(self) -> Tuple[int, Optional[List[int]]]:
-        """(full steps, per-rank sizes of the short last step or ``None``) under the current split."""
-        return epoch_layout(len(self.dataset), self._split, self.min_batch_size, self.drop_last)
-
     def _permutation(self) -> List[int]:
         key = (len(self.dataset), self.shuffle, self.seed, self.epoch)
         if self._perm is None or self._perm[0] != key:  # drawn step by step: one permutation per epoch
             g = torch.Generator().manual_seed(self.seed + self.epoch)
-            perm = torch.randperm(key[0], generator=g).tolist() if self.shuffle else list(range(key[0]))
-            self._perm = (key, perm)
+            self._perm = (key, torch.randperm(key[0], generator=g).tolist() if self.shuffle else list(range(key[0])))
         return self._perm[1]
 
     def _cut(self, step: int) -> List[int]:
@@ -258,26 +223,17 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         start = step * self.global_batch_size + sum(sizes[: self.rank])
         perm = self._permutation()
         indices = [perm[i % len(perm)] for i in range(start, start + sizes[self.rank])]  # wraps round: padding
-        self._epoch_step = step + 1
-        self.last_batch_size = len(indices)
+        self._epoch_step, self.last_batch_size = step + 1, len(indices)
         return indices
 
     def _epoch(self, follow_split: bool) -> Iterator[List[int]]:
-        """The stepping loop: this rank's batches of the current epoch, from its first step.
-
-        Args:
-            follow_split: a split change takes effect at the step it is due
-                (:meth:`draw`); ``False``: the split is fixed for the epoch,
-                since a DataLoader's ``batch_size`` cannot follow it.
-        """
+        """The stepping loop: this rank's batches of the current epoch, from its first step;
+        ``follow_split=False`` keeps the split for the epoch (a DataLoader's ``batch_size`` cannot follow)."""
         before = self._split
         self._apply_pending(at_epoch_start=True)
         if not follow_split and self._split != before:
-            _log.warning(
-                "rank %d: the split changed to %s; a DataLoader built with "
-                "batch_size=%d must be rebuilt (or use batch_sampler=sampler.batch_sampler())",
-                self.rank, self._split, before[self.rank],
-            )
+            _log.warning("rank %d: the split changed to %s; a DataLoader built with batch_size=%d must be rebuilt "
+                         "(or use batch_sampler=sampler.batch_sampler())", self.rank, self._split, before[self.rank])
         resume, self._resume_step = self._resume_step, None
         self.first_step = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.yielded = 0
@@ -299,9 +255,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """This rank's indices for ``step`` of the current epoch, as :meth:`batch_sampler` hands them out.
 
         A split change that is due takes effect first (at step 0 also one
-        waiting for the epoch). Drawing the same step again after
-        :meth:`reshape` gives this rank's share of the same global batch
-        under the new split.
+        waiting for the epoch). Drawing a step again after :meth:`reshape`
+        gives this rank's share of the same global batch under the new split.
         """
         self._apply_pending(at_epoch_start=step == 0)
         self._draws += 1
@@ -311,9 +266,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """Takes a new world of ``num_replicas`` ranks with the same global batch, also mid-epoch
         (:mod:`kaitian.elastic`); call it alike on every rank of the new world.
 
-        The epoch, its permutation and the step are kept, so drawing a step
-        again gives the same global batch cut at the new ranks. ``split`` (one
-        size per new rank) replaces the current split and any pending change.
+        The epoch, its permutation and the step are kept; ``split`` (one size
+        per new rank) replaces the current split and any pending change.
 
         Raises:
             SplitError: ``split`` does not fit the new world or the global batch.
@@ -334,8 +288,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch (reshuffles with ``seed + epoch``); call it before each epoch."""
-        self.epoch = int(epoch)
-        self._epoch_step = 0
+        self.epoch, self._epoch_step = int(epoch), 0
         self._epoch_listeners(self.epoch)
 
     def add_epoch_hook(self, callback) -> None:
@@ -348,23 +301,17 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """Where this sampler is, the same on every rank: epoch, step in it, split.
 
         Args:
-            step: batches of the current epoch already trained. Default: the
-                batches handed out so far, right with ``num_workers=0``; a
-                DataLoader with workers draws ahead, so pass the trained count.
+            step: batches of the current epoch already trained. Default: those
+                handed out so far, right with ``num_workers=0``; a DataLoader
+                with workers draws ahead, so pass the trained count.
         """
         pending = None
         if self._pending is not None:
             sizes, at = self._pending
             pending = [list(sizes), None if at is None else max(0, at - self._draws)]
-        return {
-            "epoch": self.epoch,
-            "step": self._epoch_step if step is None else int(step),
-            "split": list(self._split),
-            "pending": pending,
-            "seed": self.seed,
-            "global_batch_size": self.global_batch_size,
-            "num_replicas": self.num_replicas,
-        }
+        return {"epoch": self.epoch, "step": self._epoch_step if step is None else int(step),
+                "split": list(self._split), "pending": pending, "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`: the next epoch's iteration starts at the saved step.
@@ -377,15 +324,13 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 f"checkpoint of {state['num_replicas']} ranks with global batch {state['global_batch_size']} "
                 f"cannot resume {self.num_replicas} ranks with global batch {self.global_batch_size}"
             )
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
         self._split = [int(s) for s in state["split"]]
         pending = state.get("pending")
         self._pending = None if not pending else (
-            [int(s) for s in pending[0]], None if pending[1] is None else self._draws + int(pending[1])
-        )
-        self._resume_step = (self.epoch, int(state["step"]))
+            [int(s) for s in pending[0]], None if pending[1] is None else self._draws + int(pending[1]))
         self._epoch_step = int(state["step"])
+        self._resume_step = (self.epoch, self._epoch_step)
 
 
 class KaitianBatchSampler(torch.utils.data.BatchSampler):
