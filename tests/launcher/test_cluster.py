@@ -228,7 +228,7 @@ def test_plain_torchrun_orders_hosts_by_vendor(tmp_path):
         for h in net.hosts:
             out = tmp_path / h.name
             out.mkdir()
-            env = _env()
+            env = _env(TMPDIR=str(out))  # where torchrun leaves its torchelastic_* log directory
             env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
             if h.name == "h1":
                 env["PATH"] = os.pathsep.join([str(tmp_path / "gpu-bin"), env["PATH"]])

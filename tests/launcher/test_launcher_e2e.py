@@ -153,7 +153,7 @@ def test_worker_env_matches_torchrun(tmp_path, flags, pet):
     for name, launcher in (("torchrun", _torchrun()), ("kaitianrun", _kaitianrun())):
         out = tmp_path / name
         out.mkdir()
-        proc = _run([*launcher, *flags, _script("envdump.py"), str(out)], env=_env(**pet))
+        proc = _run([*launcher, *flags, _script("envdump.py"), str(out)], env=_env(TMPDIR=str(tmp_path), **pet))
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[name] = _dumps(str(out))
     assert sorted(outs["torchrun"]) == sorted(outs["kaitianrun"]) == [0, 1]
@@ -243,7 +243,8 @@ def test_restart_after_crash(tmp_path):
 def test_failure_exit_code_and_root_cause(tmp_path):
     """Out of restarts -> torchrun's exit status and root-cause summary from the @record error file."""
     k = _run([*_kaitianrun(), "--nproc-per-node", "2", _script("crash_once.py"), str(tmp_path)])
-    t = _run([*_torchrun(), "--nproc-per-node", "2", _script("crash_once.py"), str(tmp_path)])
+    t = _run([*_torchrun(), "--nproc-per-node", "2", _script("crash_once.py"), str(tmp_path)],
+             env=_env(TMPDIR=str(tmp_path)))
     assert k.returncode == t.returncode == 1
     assert "Root Cause (first observed failure)" in k.stderr
     assert "planned crash on the first attempt" in k.stderr
@@ -543,11 +544,11 @@ def test_plain_torchrun_uses_kaitian_rendezvous_entry_point(tmp_path):
     A distribution declaring pyproject's entry point is put on the path (as an
     install does), so torch's own loader imports it while torchrun starts.
     """
-    env = _env()
+    env = _env(TMPDIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join([entry_point_site(tmp_path), env["PYTHONPATH"]])
     out = tmp_path / "out"
     out.mkdir()
-    proc = _run([*_torchrun(), "--rdzv-backend", "kaitian", "--rdzv-endpoint", "127.0.0.1:29644",
+    proc = _run([*_torchrun(), "--rdzv-backend", "kaitian", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                  "--nproc-per-node", "2", _script("envdump.py"), str(out)], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Exception while registering out of tree plugin" not in proc.stderr
