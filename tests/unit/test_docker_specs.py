@@ -4,6 +4,7 @@ would be made from a run's workers and options."""
 from __future__ import annotations
 
 import os
+import threading
 import signal
 import subprocess
 import sys
@@ -320,3 +321,34 @@ def test_path_containment_is_by_component_not_by_prefix():
     assert inside("/a/b", "/a") and inside("/a", "/a") and inside("/a/b", "/a/")
     assert not inside("/ab", "/a") and not inside("/a", "/a/b")
     assert sorted(outermost(["/a/b/c", "/x", "/a", "/ab", "/a/b"])) == ["/a", "/ab", "/x"]
+
+
+def test_a_worker_seen_ended_by_the_engine_keeps_the_output_its_stream_still_carries(tmp_path):
+    """The Engine may report a worker's exit before its output stream is drained
+    (a CPU-starved agent): the last lines still reach its log (CI on c46cb40 lost
+    "crash-log from rank 1" of a failed job's kept logs)."""
+    from types import SimpleNamespace
+
+    from kaitian.launcher.runtimes.docker.exec import _Exec
+
+    release = threading.Event()
+
+    def stream():
+        release.wait(10)  # the output arrives after the Engine already says "exited"
+        yield b"last words\n", None
+
+    api = SimpleNamespace(
+        exec_create=lambda *a, **k: {"Id": "exec-1"},
+        exec_start=lambda *a, **k: stream(),
+        exec_inspect=lambda _id: {"Running": False, "ExitCode": 3, "Pid": 4242},
+    )
+    (tmp_path / "pid").write_text("42")
+    spec = SimpleNamespace(cmd=["true"], env_list=lambda: [], workdir="/", user="0:0", local_rank=1,
+                           pid_file=str(tmp_path / "pid"))
+    ex = _Exec(SimpleNamespace(api=api), "container", spec, str(tmp_path / "out.log"), str(tmp_path / "err.log"), "")
+    ex.start()
+    assert ex.started.wait(10)
+    threading.Timer(0.5, release.set).start()
+    ex.poll_engine()  # the agent's periodic question, while the stream still carries output
+    assert ex.done.is_set() and ex.exit_code == 3
+    assert (tmp_path / "out.log").read_text() == "last words\n"

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 _PID_WAIT_S = 5.0
 # After KILL, how long to wait for the exec to report its exit before giving up.
 _KILL_WAIT_S = 10.0
+_DRAIN_S = 5.0  # how far an ended worker's output may lag its exit (a CPU-starved agent)
 
 
 def exit_code_from_docker(code: Optional[int]) -> int:
@@ -188,8 +189,10 @@ class _Exec:
         except Exception:  # noqa: BLE001 (the stream thread reports real failures)
             return
         if not info.get("Running") and info.get("ExitCode") is not None:
-            self.exit_code = exit_code_from_docker(info["ExitCode"])
-            self.done.set()
+            self._thread.join(_DRAIN_S)  # its last output first: the stream may lag the exit
+            if not self.done.is_set():  # still open: held by a child the worker left behind
+                self.exit_code = exit_code_from_docker(info["ExitCode"])
+                self.done.set()
 
     def container_pid(self, wait: float = _PID_WAIT_S) -> Optional[int]:
         """The worker's pid (= its process group) inside the container."""
