@@ -84,8 +84,10 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 f"DistributedSampler(dataset, {num_replicas}): the second argument is num_replicas "
                 f"(torch's order) but the world has {world} ranks; pass batch_size={num_replicas}"
             )
-        num_replicas = num_replicas if num_replicas is not None else world or 1
-        rank = rank if rank is not None else dist.get_rank(group) if initialized else 0
+        if num_replicas is None:
+            num_replicas = world if world is not None else 1
+        if rank is None:
+            rank = dist.get_rank(group) if initialized else 0
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}]")
         batch_size = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
@@ -94,9 +96,15 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         if not 1 <= int(min_batch_size) <= batch_size:
             raise SplitError(f"min_batch_size must be in [1, batch_size={batch_size}], got {min_batch_size}")
         # torch's attributes, under torch's names
-        self.dataset, self.num_replicas, self.rank = dataset, int(num_replicas), int(rank)
-        self.shuffle, self.seed, self.drop_last, self.epoch = bool(shuffle), int(seed), bool(drop_last), 0
-        self.batch_size, self.min_batch_size = batch_size, int(min_batch_size)
+        self.dataset = dataset
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.batch_size = batch_size
+        self.min_batch_size = int(min_batch_size)
         self.global_batch_size = self.batch_size * self.num_replicas
         self.capabilities = rank_capabilities(self.num_replicas, capabilities, group)
         self._split = proportional_split(self.global_batch_size, self.capabilities, minimum=self.min_batch_size)
@@ -108,7 +116,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.yielded = 0  # indices iter(self) handed out this epoch: what a DataLoader's own batch_size took
         self._perm: Optional[tuple] = None  # ((len, shuffle, seed, epoch), permutation)
         self.last_batch_size = self._split[self.rank]  # size of the batch handed out last
-        self._split_listeners, self._epoch_listeners = Listeners(), Listeners()
+        self._split_listeners = Listeners()
+        self._epoch_listeners = Listeners()
         _log.info("rank %d: global batch %d split %s (capabilities %s)",
                   self.rank, self.global_batch_size, self._split, self.capabilities)
 
@@ -223,7 +232,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         start = step * self.global_batch_size + sum(sizes[: self.rank])
         perm = self._permutation()
         indices = [perm[i % len(perm)] for i in range(start, start + sizes[self.rank])]  # wraps round: padding
-        self._epoch_step, self.last_batch_size = step + 1, len(indices)
+        self._epoch_step = step + 1
+        self.last_batch_size = len(indices)
         return indices
 
     def _epoch(self, follow_split: bool) -> Iterator[List[int]]:
@@ -288,7 +298,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch (reshuffles with ``seed + epoch``); call it before each epoch."""
-        self.epoch, self._epoch_step = int(epoch), 0
+        self.epoch = int(epoch)
+        self._epoch_step = 0
         self._epoch_listeners(self.epoch)
 
     def add_epoch_hook(self, callback) -> None:
@@ -324,7 +335,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 f"checkpoint of {state['num_replicas']} ranks with global batch {state['global_batch_size']} "
                 f"cannot resume {self.num_replicas} ranks with global batch {self.global_batch_size}"
             )
-        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
         self._split = [int(s) for s in state["split"]]
         pending = state.get("pending")
         self._pending = None if not pending else (

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 _PID_WAIT_S = 5.0
 # After KILL, how long to wait for the exec to report its exit before giving up.
 _KILL_WAIT_S = 10.0
-_DRAIN_S = 5.0  # how far an ended worker's output may lag its exit (a CPU-starved agent)
+# How far an ended worker's output may lag the Engine's report of its exit (a CPU-starved agent).
+_DRAIN_S = 5.0
 
 
 def exit_code_from_docker(code: Optional[int]) -> int:
