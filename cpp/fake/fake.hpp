@@ -33,6 +33,8 @@ void block_on(const Mark& m, FStream* waiter);
 bool passed(const Mark& m);    // the stream has run the marked task
 void wait_for(const Mark& m);  // the host waits until it has
 void init(int count);
+bool with_python(const std::function<void()>& f);  // runs f unless Python has exited; whether it ran
+void python_exits();  // from now on workers take no GIL (runtime.cpp, "Exit")
 uint64_t enqueue(FStream* s, std::function<void()> fn);
 void synchronize(FStream* s);  // raises the first error of a task queued on it
 at::Tensor host_alias(const at::Tensor& t);  // a CPU tensor over a device tensor's bytes

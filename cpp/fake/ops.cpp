@@ -396,6 +396,8 @@ static std::shared_ptr<Gate> hold_current() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kaitian's fake accelerator (see kaitian.testing.fake_accelerator)";
   m.def("init", &fake::init, "create N devices, each with its default stream (once per process)");
+  m.def("python_exits", &fake::python_exits, py::call_guard<py::gil_scoped_release>(),
+        "from now on the streams' workers take no GIL (call at Python's exit)");
   m.def("sleep", &fake::sleep_on_current, "queue a delay of `seconds` on the current stream");
   py::class_<fake::Gate, std::shared_ptr<fake::Gate>>(m, "Gate", "a gate on a stream (see hold)")
       .def("release", &fake::Gate::release, "let the stream go on")
@@ -405,16 +407,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fake::bind_cncl(m);
   m.def("host_alias", &fake::host_alias, "a CPU tensor over the same bytes as a device tensor (not owning them)");
   m.def("enqueue", [](c10::DeviceIndex d, py::function fn) {
-    auto f = new py::function(std::move(fn));  // released under the GIL, on the worker
+    auto f = new py::function(std::move(fn));  // released under the GIL, on the worker (kept once Python exits)
     fake::enqueue(fake::current(d), [f] {
-      py::gil_scoped_acquire g;
       std::string error;
-      try {
-        (*f)();
-      } catch (py::error_already_set& e) {
-        error = e.what();
-      }
-      delete f;
+      fake::with_python([&] {
+        py::gil_scoped_acquire g;
+        try {
+          (*f)();
+        } catch (py::error_already_set& e) {
+          error = e.what();
+        }
+        delete f;
+      });
       if (!error.empty()) throw std::runtime_error(error);
     });
   }, "queue a Python callable on the current stream of device d");

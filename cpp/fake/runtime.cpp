@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <shared_mutex>
 #include <thread>
 
 #include "fake.hpp"
@@ -69,6 +70,32 @@ static size_t g_pool_next[kMaxDevices] = {};
 static thread_local int64_t t_current_stream[kMaxDevices] = {0};
 static thread_local DeviceIndex t_current_device = 0;
 
+// Exit. Once Python exits, a worker must not take the GIL: a finalizing
+// interpreter answers with pthread_exit, which std::terminate()s the process
+// inside a destructor. Releasing what a task captured can take it (torch drops
+// a tensor's Python object under the GIL with its last C++ reference), as a
+// Python task does. So from python_exits() (at atexit) workers keep what their
+// tasks captured and skip Python tasks; the streams run on, as a GPU runs until
+// the process ends. From the C++ exit on (static destruction, which reaches
+// this library before torch) no task starts: torch is going away.
+static std::shared_mutex& g_python = *new std::shared_mutex();  // held shared while a worker may take the GIL
+static bool g_python_exited = false;                            // under g_python
+static std::atomic<bool> g_process_exits{false};
+static struct ProcessExit {
+  ~ProcessExit() { g_process_exits = true; }
+} g_process_exit;
+
+bool with_python(const std::function<void()>& f) {
+  std::shared_lock<std::shared_mutex> l(g_python);
+  if (g_python_exited) return false;
+  f();
+  return true;
+}
+void python_exits() {  // called without the GIL: a worker holding g_python may be waiting for it
+  std::unique_lock<std::shared_mutex> l(g_python);
+  g_python_exited = true;
+}
+
 FStream::FStream(DeviceIndex d, int64_t i) : device(d), id(i) {
   std::thread([this] {
     t_current_device = device;
@@ -78,6 +105,7 @@ FStream::FStream(DeviceIndex d, int64_t i) : device(d), id(i) {
       {
         std::unique_lock<std::mutex> l(m);
         cv.wait(l, [&] { return !queue.empty(); });
+        if (g_process_exits) return;  // what is queued is abandoned, as a GPU's queue at exit
         fn = std::move(queue.front());
         queue.pop_front();
       }
@@ -87,9 +115,12 @@ FStream::FStream(DeviceIndex d, int64_t i) : device(d), id(i) {
         std::lock_guard<std::mutex> g(m);
         if (error.empty()) error = e.what();
       }
-      std::lock_guard<std::mutex> g(m);
-      ++completed;
-      cv.notify_all();
+      {
+        std::lock_guard<std::mutex> g(m);
+        ++completed;
+        cv.notify_all();
+      }
+      if (!with_python([&] { fn = nullptr; })) (new std::function<void()>())->swap(fn);  // kept (see Exit)
     }
   }).detach();
 }

@@ -60,6 +60,50 @@ def test_non_blocking_d2h_is_stale_until_synchronised():
     assert out.splitlines() == ["False 0.0", f"True {float(1 << 16)}"]
 
 
+def test_once_python_exits_workers_keep_what_their_tasks_captured():
+    """Letting go of a tensor Python also holds takes the GIL, and a worker
+    asking a finalizing interpreter for it ends the process in std::terminate
+    (seen in CI as an abort at exit). From Python's exit on, a worker keeps what
+    a task captured instead: here the pinned tensor a finished copy wrote stays
+    alive after Python dropped it."""
+    out = run("""
+        import gc, weakref
+        x = torch.ones(4, device="mlu")
+        for exited in (False, True):
+            if exited:
+                fa._ext().python_exits()  # what atexit calls
+            host = torch.zeros(4, pin_memory=True)
+            host.copy_(x, non_blocking=True)
+            torch.mlu.synchronize()
+            alive = weakref.ref(host)
+            del host
+            gc.collect()
+            print(exited, alive() is not None)
+    """)
+    assert out.splitlines() == ["False False", "True True"]
+
+
+def test_exits_with_work_still_queued():
+    """The streams are not drained at exit: work held behind a gate that opens
+    only while the interpreter finalizes (as work waiting for a peer that never
+    comes) does not hold the process, as queued GPU work does not."""
+    out = run("""
+        import time
+        class OpensTheGateAtFinalization:
+            def __init__(self, gate, host):
+                self.gate, self.host = gate, host
+            def __del__(self):
+                self.gate.release()  # the copy runs now, during finalization
+                time.sleep(0.5)
+        x = torch.ones(4, device="mlu")
+        host = torch.zeros(4, pin_memory=True)
+        opener = OpensTheGateAtFinalization(fa.hold(), host)
+        host.copy_(x, non_blocking=True)
+        print("queued")
+    """)
+    assert out == "queued"
+
+
 def test_cross_stream_use_needs_wait_stream():
     out = run("""
         side = torch.mlu.Stream()
