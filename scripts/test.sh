@@ -2,8 +2,9 @@
 # `make pytest` (and `make test` after the setup): the suite in its two passes
 # (tests/conftest.py). The `serial` tests need the machine: they run one after
 # the other in the foreground. The rest runs on $JOBS pytest workers (xdist, a
-# file per worker) beside them, in the background (scripts/background.sh: only
-# the CPU the serial pass leaves idle) where that can be done, else after them.
+# file per worker) beside them, in the background (scripts/background.sh: the
+# CPU the serial pass leaves idle, and a small share while it is busy) where
+# that can be done, else after them.
 # Its output follows the serial pass's.
 #
 # Environment (the Makefile sets it): KAITIAN_VENV, PYTEST_ARGS (shell words),
