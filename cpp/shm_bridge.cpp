@@ -350,10 +350,6 @@ std::atomic<uint64_t>& ShmBridge::p2pAck(int owner, int src) const {
 void ShmBridge::signal() { wake(peers_[rank_].hdr->ev, false); }
 void ShmBridge::ring(int r) { wake(peers_[r].hdr->inbox, false); }
 
-void ShmBridge::checkAlive(int peer, const Deadline& dl, const char* what) {
-  const std::string gone = goneText(peer, what);
-  if (!gone.empty()) dl.breakGroup(gone);
-}
 
 std::string ShmBridge::goneText(int peer, const char* what) {
   const int64_t pid = peer < static_cast<int>(pids_.size()) ? pids_[peer] : -1;
@@ -379,10 +375,18 @@ std::string ShmBridge::goneText(int peer, const char* what) {
   return "";
 }
 
-void ShmBridge::checkPeers(int watch, const Deadline& dl, const char* what) {
+std::vector<uint32_t> ShmBridge::peerStates() const {
+  std::vector<uint32_t> states(size_, kRunning);
+  for (int s = 0; s < size_; ++s) {
+    if (s != rank_) states[s] = peers_[s].hdr->state.load(std::memory_order_acquire);
+  }
+  return states;
+}
+
+void ShmBridge::checkPeers(const std::vector<uint32_t>& states, int watch, const Deadline& dl, const char* what) {
   for (int s = 0; s < size_; ++s) {
     if (s == rank_) continue;
-    const uint32_t st = peers_[s].hdr->state.load(std::memory_order_acquire);
+    const uint32_t st = states[s];
     if (st == kBroken) dl.peerFailed(failureOf(s));
     // A closed peer matters only when we wait for that one (any-source receives
     // go on while other senders remain).
@@ -392,7 +396,7 @@ void ShmBridge::checkPeers(int watch, const Deadline& dl, const char* what) {
 
 std::string ShmBridge::watchPeers(const std::vector<int>& with, const Deadline& dl,
                                   const std::string& what) {
-  checkPeers(-1, dl, what.c_str());
+  checkPeers(peerStates(), -1, dl, what.c_str());
   // A peer in another op would leave the vendor's step hanging until the
   // deadline: the op each rank published names the mismatch at once.
   publishOp(dl.id);
@@ -419,17 +423,24 @@ void ShmBridge::waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadli
   if (ready()) return;
   auto lastAlive = Clock::now();
   // Between spins and sleeps: the peers' fail-stop state, their liveness (every
-  // kAliveEvery) and the deadline. True: the wait is over after all.
+  // kAliveEvery) and the deadline. True: the wait is over after all. A peer
+  // may publish and then close the group or exit (the end of a job): what it
+  // published is visible once its end is. So its end is read first and the
+  // data looked at once more before the end is reported; reported in the other
+  // order, a rank stopped between the two looks failed a finished collective.
   auto checks = [&] {
-    checkPeers(watch, dl, what);
-    if (ready()) return true;  // a closing peer may have published just before
+    const auto states = peerStates();
+    std::string gone;
     const auto now = Clock::now();
     if (now - lastAlive > kAliveEvery) {
-      for (int s = 0; s < size_; ++s) {
-        if (s != rank_ && (watch < 0 || watch == s)) checkAlive(s, dl, what);
+      for (int s = 0; s < size_ && gone.empty(); ++s) {
+        if (s != rank_ && (watch < 0 || watch == s)) gone = goneText(s, what);
       }
       lastAlive = now;
     }
+    if (ready()) return true;
+    checkPeers(states, watch, dl, what);
+    if (!gone.empty()) dl.breakGroup(gone);
     dl.check(watch < 0 ? std::string("a ") + what + " from any rank"
                        : "rank " + std::to_string(watch) + "'s " + what);
     return false;

@@ -71,8 +71,9 @@ class ShmBridge : public Bridge {
   void waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadline& dl, const char* what);
   void waitAtLeast(int peer, const std::atomic<uint64_t>& ctr, uint64_t target,
                    const Deadline& dl, const char* what);
-  void checkPeers(int watch, const Deadline& dl, const char* what);
-  void checkAlive(int peer, const Deadline& dl, const char* what);
+  // Each peer's fail-stop state, read before the data it guards (see waitUntil).
+  std::vector<uint32_t> peerStates() const;
+  void checkPeers(const std::vector<uint32_t>& states, int watch, const Deadline& dl, const char* what);
   // Why `peer` is gone (exited, or stopped its heartbeat), or "" while it lives.
   std::string goneText(int peer, const char* what);
   std::string failureOf(int peer) const;
