@@ -350,7 +350,6 @@ std::atomic<uint64_t>& ShmBridge::p2pAck(int owner, int src) const {
 void ShmBridge::signal() { wake(peers_[rank_].hdr->ev, false); }
 void ShmBridge::ring(int r) { wake(peers_[r].hdr->inbox, false); }
 
-
 std::string ShmBridge::goneText(int peer, const char* what) {
   const int64_t pid = peer < static_cast<int>(pids_.size()) ? pids_[peer] : -1;
   if (pid > 0) {
