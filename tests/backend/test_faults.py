@@ -255,7 +255,6 @@ def test_a_long_spin_still_honours_the_deadline(tmp_path) -> None:
     assert float(line.split(" s:")[0]) < 6, line
 
 
-
 def test_a_peer_that_closes_right_after_an_op_has_finished_it_for_everyone(tmp_path):
     """A rank waiting for data its peer published in a collective, the peer
     having closed the group right after (as at the end of training), takes

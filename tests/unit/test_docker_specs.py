@@ -4,10 +4,10 @@ would be made from a run's workers and options."""
 from __future__ import annotations
 
 import os
-import threading
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
