@@ -24,7 +24,7 @@ import torch.utils.data
 
 from kaitian.errors import SplitError
 from kaitian.training.listeners import Listeners
-from kaitian.training.split import Capabilities, epoch_layout, proportional_split, rank_capabilities
+from kaitian.training.split import Capabilities, SplitSchedule, epoch_layout, proportional_split, rank_capabilities
 
 __all__ = ["DistributedSampler", "KaitianBatchSampler", "kaitian_sampler_of", "SplitError", "DEFAULT_BATCH_SIZE"]
 
@@ -104,47 +104,42 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.drop_last = bool(drop_last)
         self.epoch = 0
         self.batch_size = batch_size
-        self.min_batch_size = int(min_batch_size)
         self.global_batch_size = self.batch_size * self.num_replicas
         self.capabilities = rank_capabilities(self.num_replicas, capabilities, group)
-        self._split = proportional_split(self.global_batch_size, self.capabilities, minimum=self.min_batch_size)
-        self._pending: Optional[Tuple[List[int], Optional[int]]] = None  # (split, at draw; None: next epoch)
-        self._draws = 0  # batches handed out by batch_sampler(), over all epochs
+        min_batch_size = int(min_batch_size)
+        self._schedule = SplitSchedule(
+            proportional_split(self.global_batch_size, self.capabilities, minimum=min_batch_size), min_batch_size)
         self._epoch_step = 0  # batches handed out in the current epoch
         self._resume_step: Optional[Tuple[int, int]] = None  # (epoch, step) from load_state_dict
         self.first_step = 0  # where the current epoch's iteration started: 0, or a checkpoint's step
         self.yielded = 0  # indices iter(self) handed out this epoch: what a DataLoader's own batch_size took
         self._perm: Optional[tuple] = None  # ((len, shuffle, seed, epoch), permutation)
-        self.last_batch_size = self._split[self.rank]  # size of the batch handed out last
-        self._split_listeners = Listeners()
+        self.last_batch_size = self.local_batch_size  # size of the batch handed out last
         self._epoch_listeners = Listeners()
         _log.info("rank %d: global batch %d split %s (capabilities %s)",
-                  self.rank, self.global_batch_size, self._split, self.capabilities)
+                  self.rank, self.global_batch_size, self.split, self.capabilities)
 
     # -- the split ------------------------------------------------------------------
 
     @property
     def split(self) -> List[int]:
         """The current per-rank batch sizes (sum = global batch)."""
-        return list(self._split)
+        return list(self._schedule.current)
 
     @property
     def local_batch_size(self) -> int:
         """This rank's batch per step under the current split."""
-        return self._split[self.rank]
+        return self._schedule.current[self.rank]
+
+    @property
+    def min_batch_size(self) -> int:
+        """The smallest batch any rank gets in any step."""
+        return self._schedule.minimum
 
     def require_min_batch_size(self, minimum: int) -> None:
         """Raises :attr:`min_batch_size` (e.g. to 2 for BatchNorm), re-splitting if a rank is below it;
         call it alike on every rank."""
-        minimum = int(minimum)
-        if minimum <= self.min_batch_size:
-            return
-        if minimum * self.num_replicas > self.global_batch_size:
-            raise SplitError(f"a minimum batch of {minimum} per rank needs a global batch of at least "
-                             f"{minimum * self.num_replicas}, not {self.global_batch_size}; raise batch_size")
-        self.min_batch_size = minimum
-        if min(self._split) < minimum:
-            self._split = proportional_split(self.global_batch_size, self._split, minimum=minimum)
+        self._schedule.raise_minimum(int(minimum))
 
     def set_split(self, batch_sizes: Sequence[int], after_draws: Optional[int] = None) -> None:
         """Changes the per-rank batch sizes; call it with the same values on every rank.
@@ -159,43 +154,22 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         Raises:
             SplitError: wrong length, a size below the minimum, or the wrong sum.
         """
-        at = None if after_draws is None else self._draws + int(after_draws)
-        self._pending = (self._checked(batch_sizes, self.num_replicas), at)
-
-    def _checked(self, sizes: Sequence[int], ranks: int) -> List[int]:
-        sizes = [int(s) for s in sizes]
-        if len(sizes) != ranks:
-            raise SplitError(f"split has {len(sizes)} entries for {ranks} ranks")
-        if min(sizes) < self.min_batch_size:
-            raise SplitError(f"every rank needs a batch of at least {self.min_batch_size}, got {sizes}")
-        if sum(sizes) != self.global_batch_size:
-            raise SplitError(f"split {sizes} adds up to {sum(sizes)}, not the global batch {self.global_batch_size}")
-        return sizes
+        self._schedule.change(batch_sizes, after_draws)
 
     def add_split_listener(self, callback) -> None:
         """Calls ``callback(old_split, new_split)`` whenever a new split takes effect."""
-        self._split_listeners.add(callback)
-
-    def _apply_pending(self, at_epoch_start: bool) -> None:
-        if self._pending is None:
-            return
-        sizes, at_draw = self._pending
-        if at_epoch_start or (at_draw is not None and self._draws >= at_draw):
-            old, self._split, self._pending = self._split, list(sizes), None
-            if old != self._split:
-                _log.info("rank %d: new split %s (was %s)", self.rank, self._split, old)
-                self._split_listeners(old, list(self._split))
+        self._schedule.listeners.add(callback)
 
     # -- the epoch ------------------------------------------------------------------
 
     def layout(self) -> Tuple[int, Optional[List[int]]]:
         """(full steps, per-rank sizes of the short last step or ``None``) under the current split."""
-        return epoch_layout(len(self.dataset), self._split, self.min_batch_size, self.drop_last)
+        return epoch_layout(len(self.dataset), self._schedule.current, self.min_batch_size, self.drop_last)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch under the current split."""
         full, rest = self.layout()
-        return full * self._split[self.rank] + (rest[self.rank] if rest else 0)
+        return full * self.local_batch_size + (rest[self.rank] if rest else 0)
 
     @property
     def num_samples(self) -> int:  # torch's attribute
@@ -228,7 +202,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     def _cut(self, step: int) -> List[int]:
         """This rank's indices of ``step`` of the current epoch under the current split."""
         full, rest = self.layout()
-        sizes = self._split if step < full else rest
+        sizes = self._schedule.current if step < full else rest
         start = step * self.global_batch_size + sum(sizes[: self.rank])
         perm = self._permutation()
         indices = [perm[i % len(perm)] for i in range(start, start + sizes[self.rank])]  # wraps round: padding
@@ -239,11 +213,11 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     def _epoch(self, follow_split: bool) -> Iterator[List[int]]:
         """The stepping loop: this rank's batches of the current epoch, from its first step;
         ``follow_split=False`` keeps the split for the epoch (a DataLoader's ``batch_size`` cannot follow)."""
-        before = self._split
-        self._apply_pending(at_epoch_start=True)
-        if not follow_split and self._split != before:
+        before = self.split
+        self._schedule.next_batch(at_epoch_start=True, draw=False)
+        if not follow_split and self.split != before:
             _log.warning("rank %d: the split changed to %s; a DataLoader built with batch_size=%d must be rebuilt "
-                         "(or use batch_sampler=sampler.batch_sampler())", self.rank, self._split, before[self.rank])
+                         "(or use batch_sampler=sampler.batch_sampler())", self.rank, self.split, before[self.rank])
         resume, self._resume_step = self._resume_step, None
         self.first_step = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.yielded = 0
@@ -268,8 +242,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         waiting for the epoch). Drawing a step again after :meth:`reshape`
         gives this rank's share of the same global batch under the new split.
         """
-        self._apply_pending(at_epoch_start=step == 0)
-        self._draws += 1
+        self._schedule.next_batch(at_epoch_start=step == 0, draw=True)
         return self._cut(step)
 
     def reshape(self, num_replicas: int, rank: int, split: Sequence[int]) -> None:
@@ -283,14 +256,13 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             SplitError: ``split`` does not fit the new world or the global batch.
             ValueError: ``rank`` is out of range.
         """
-        sizes = self._checked(split, int(num_replicas))
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}]")
+        self._schedule.replace(split, int(num_replicas))
         self.num_replicas, self.rank = int(num_replicas), int(rank)
-        self._split, self._pending = sizes, None
-        self.capabilities = [float(s) for s in sizes]
+        self.capabilities = [float(s) for s in self.split]
         self.batch_size = max(1, self.global_batch_size // self.num_replicas)  # the equal split's, nominally
-        self.last_batch_size = sizes[self.rank]
+        self.last_batch_size = self.local_batch_size
 
     def batch_sampler(self) -> "KaitianBatchSampler":
         """A batch sampler for ``DataLoader(ds, batch_sampler=...)`` that follows the split."""
@@ -316,13 +288,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
                 handed out so far, right with ``num_workers=0``; a DataLoader
                 with workers draws ahead, so pass the trained count.
         """
-        pending = None
-        if self._pending is not None:
-            sizes, at = self._pending
-            pending = [list(sizes), None if at is None else max(0, at - self._draws)]
-        return {"epoch": self.epoch, "step": self._epoch_step if step is None else int(step),
-                "split": list(self._split), "pending": pending, "seed": self.seed,
-                "global_batch_size": self.global_batch_size, "num_replicas": self.num_replicas}
+        return {"epoch": self.epoch, "step": self._epoch_step if step is None else int(step), "seed": self.seed,
+                "global_batch_size": self.global_batch_size, "num_replicas": self.num_replicas,
+                **self._schedule.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`: the next epoch's iteration starts at the saved step.
@@ -337,10 +305,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
             )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        self._split = [int(s) for s in state["split"]]
-        pending = state.get("pending")
-        self._pending = None if not pending else (
-            [int(s) for s in pending[0]], None if pending[1] is None else self._draws + int(pending[1]))
+        self._schedule.load_state_dict(state)
         self._epoch_step = int(state["step"])
         self._resume_step = (self.epoch, self._epoch_step)
 

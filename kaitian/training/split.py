@@ -1,4 +1,5 @@
-"""How the global batch is cut across ranks: the split algorithm, each rank's capability, the re-balancer's plan.
+"""How the global batch is cut across ranks: the split algorithm, the split in force, each rank's capability,
+the re-balancer's plan.
 
 Everything here is deterministic: ranks that feed it the same numbers get the
 same split, so after one exchange of bit-identical values
@@ -8,20 +9,25 @@ with no further agreement round.
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
 from kaitian.errors import SplitError
 from kaitian.settings import settings
 from kaitian.training.exchange import gather_per_rank
+from kaitian.training.listeners import Listeners
 
 __all__ = [
-    "proportional_split", "epoch_layout", "plan_split", "gather_capabilities", "rank_capabilities", "optimize_batch_size", "SplitError",
+    "proportional_split", "epoch_layout", "SplitSchedule", "plan_split",
+    "gather_capabilities", "rank_capabilities", "optimize_batch_size", "SplitError",
 ]
 
 Capabilities = Union[Sequence[Optional[float]], Mapping[int, float]]
+
+_log = logging.getLogger(__name__)
 
 
 def proportional_split(
@@ -141,6 +147,89 @@ def epoch_layout(
         return full, None
     remainder = max(remainder, minimum * len(split))
     return full, proportional_split(remainder, split, caps=split, minimum=minimum)
+
+
+class SplitSchedule:
+    """The split in force: the per-rank batch sizes and at most one change waiting for the
+    next epoch or for a number of batches to be drawn.
+
+    Each rank keeps its own; changed alike at the same points of every rank's
+    program, the ranks' schedules agree without a message.
+
+    Args:
+        split: the first split; its sum is the global batch, for good.
+        minimum: the smallest batch any rank may get.
+    """
+
+    def __init__(self, split: Sequence[int], minimum: int) -> None:
+        self.current = list(split)
+        self.global_batch_size = sum(self.current)
+        self.minimum = minimum
+        self.draws = 0  # batches drawn, over all epochs
+        self.listeners = Listeners()  # callback(old_split, new_split)
+        self._pending: Optional[Tuple[List[int], Optional[int]]] = None  # (split, at draw; None: next epoch)
+
+    def _checked(self, sizes: Sequence[int], ranks: int) -> List[int]:
+        """``sizes`` as a split of the global batch over ``ranks`` ranks.
+
+        Raises:
+            SplitError: wrong length, a size below the minimum, or the wrong sum.
+        """
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != ranks:
+            raise SplitError(f"split has {len(sizes)} entries for {ranks} ranks")
+        if min(sizes) < self.minimum:
+            raise SplitError(f"every rank needs a batch of at least {self.minimum}, got {sizes}")
+        if sum(sizes) != self.global_batch_size:
+            raise SplitError(f"split {sizes} adds up to {sum(sizes)}, not the global batch {self.global_batch_size}")
+        return sizes
+
+    def change(self, sizes: Sequence[int], after_draws: Optional[int]) -> None:
+        """``sizes`` from the next epoch (``after_draws=None``) or after ``after_draws`` more draws."""
+        at = None if after_draws is None else self.draws + int(after_draws)
+        self._pending = (self._checked(sizes, len(self.current)), at)
+
+    def replace(self, sizes: Sequence[int], ranks: int) -> None:
+        """``sizes`` over ``ranks`` ranks (another world) from now on; a waiting change is dropped."""
+        self.current, self._pending = self._checked(sizes, ranks), None
+
+    def raise_minimum(self, minimum: int) -> None:
+        """Lifts every rank, now and in a waiting change, to at least ``minimum``."""
+        if minimum <= self.minimum:
+            return
+        if minimum * len(self.current) > self.global_batch_size:
+            raise SplitError(f"a minimum batch of {minimum} per rank needs a global batch of at least "
+                             f"{minimum * len(self.current)}, not {self.global_batch_size}; raise batch_size")
+        self.minimum = minimum
+        self.current = proportional_split(self.global_batch_size, self.current, minimum=minimum)
+        if self._pending is not None:
+            sizes, at = self._pending
+            self._pending = (proportional_split(self.global_batch_size, sizes, minimum=minimum), at)
+
+    def next_batch(self, at_epoch_start: bool, draw: bool) -> List[int]:
+        """The split of the next batch, a change that is due applied first; ``draw``: count it as drawn."""
+        if self._pending is not None:
+            sizes, at = self._pending
+            if at_epoch_start or (at is not None and self.draws >= at):
+                old, self.current, self._pending = self.current, sizes, None
+                if old != sizes:
+                    _log.info("new split %s (was %s)", sizes, old)
+                    self.listeners(old, list(sizes))
+        self.draws += int(draw)
+        return self.current
+
+    def state_dict(self) -> Dict[str, Any]:
+        pending = None
+        if self._pending is not None:
+            sizes, at = self._pending
+            pending = [list(sizes), None if at is None else max(0, at - self.draws)]
+        return {"split": list(self.current), "pending": pending}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.current = [int(s) for s in state["split"]]
+        pending = state.get("pending")
+        self._pending = None if not pending else (
+            [int(s) for s in pending[0]], None if pending[1] is None else self.draws + int(pending[1]))
 
 
 def plan_split(
