@@ -93,7 +93,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         batch_size = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
         if batch_size < 1:
             raise SplitError(f"batch_size must be at least 1, got {batch_size}")
-        if not 1 <= int(min_batch_size) <= batch_size:
+        min_batch_size = int(min_batch_size)
+        if not 1 <= min_batch_size <= batch_size:
             raise SplitError(f"min_batch_size must be in [1, batch_size={batch_size}], got {min_batch_size}")
         # torch's attributes, under torch's names
         self.dataset = dataset
@@ -106,7 +107,6 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.batch_size = batch_size
         self.global_batch_size = self.batch_size * self.num_replicas
         self.capabilities = rank_capabilities(self.num_replicas, capabilities, group)
-        min_batch_size = int(min_batch_size)
         self._schedule = SplitSchedule(
             proportional_split(self.global_batch_size, self.capabilities, minimum=min_batch_size), min_batch_size)
         self._epoch_step = 0  # batches handed out in the current epoch
