@@ -9,6 +9,7 @@ the peers, and hand everything to the C++ ``KaitianBackend``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -16,6 +17,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -260,7 +262,7 @@ def create_kaitian_backend(dist_opts, backend_options=None):
     pids = [
         i.pid if (i.host == me.host and i.pid_ns == me.pid_ns) else -1 for i in infos
     ]
-    bridge_options = None
+    bridge_options = backend = None
     try:
         layout = _C.Layout(
             group_of=lay.group_of, group_names=lay.group_names, group_device=lay.group_device,
@@ -285,14 +287,15 @@ def create_kaitian_backend(dist_opts, backend_options=None):
             layout=layout, bridge=bridge_options, intra_device=intra_device, intra_cpu=intra_cpu,
         )
     finally:
-        # The file store was only the meeting point; dropping it (and the
-        # options holding it) on every rank deletes its file. A private run dir
-        # goes with it once all have met.
+        # The file store was only the meeting point. torch's FileStore removes its
+        # file when the last rank lets go of it, but counts those ranks and the
+        # references in two steps, so ranks that let go together can all leave it
+        # (1 in 300 for 8 processes here): rank 0 removes it, or the private run dir,
+        # at once if it failed itself (the group is broken: nobody needs the file).
         file_store = bridge_options = None
-        if private and rank == 0:
-            _remove_private_dir_later(store, run_dir, size, timeout)
-        elif private:
-            store.add("kaitian/run_dir_done", 1)
+        if bridge == "shm":
+            wait = timeout if backend is not None else timedelta(0)
+            _remove_after_meeting(store, rank, size, wait, run_dir if private else store_path)
     logger.debug(
         "kaitian: rank %d/%d group %s (%d/%d), bridge %s, intra %s",
         rank, size, lay.group_names[g], group_rank, group_size, bridge,
@@ -309,15 +312,19 @@ def _shut_down_at_exit(c_module) -> None:
     atexit.register(c_module.shutdown_live_backends)
 
 
-def _remove_private_dir_later(store, path: str, size: int, timeout: timedelta) -> None:
-    """Rank 0 removes the temp run dir after every other rank is done with it."""
-    store.add("kaitian/run_dir_done", 1)
+def _remove_after_meeting(store, rank: int, size: int, timeout: timedelta, path: str) -> None:
+    """Counts this rank out of the meeting; rank 0 removes ``path`` (a file or a directory)
+    once every rank is out, or after ``timeout``."""
+    store.add("kaitian/met", 1)
+    if rank != 0:
+        return
     try:
-        store.wait(["kaitian/run_dir_done"], timeout)
-        import time
-
         deadline = time.monotonic() + timeout.total_seconds()
-        while int(store.add("kaitian/run_dir_done", 0)) < size and time.monotonic() < deadline:
+        while int(store.add("kaitian/met", 0)) < size and time.monotonic() < deadline:
             time.sleep(0.002)
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

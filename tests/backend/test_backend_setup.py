@@ -1,5 +1,5 @@
-"""Backend kaitian set-up: layout derivation, the stale-segment collector, a rank
-killed while building the group, and plain ``torchrun`` (no KAITIAN_* at all)."""
+"""Backend kaitian set-up: layout derivation, the stale-segment collector, the meeting's
+file, a rank killed while building the group, and plain ``torchrun`` (no KAITIAN_* at all)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
+from kaitian.backend import factory
 from kaitian.backend import groups as L
 from kaitian.devices.device import WorkerDevice
 from kaitian.backend import shm_gc
@@ -120,6 +124,29 @@ def test_rank_killed_during_setup_leaves_segment_that_next_start_collects(tmp_pa
     assert name in shm_gc.collect_stale_segments()  # what the next start does first
     assert not os.path.exists(os.path.join("/dev/shm", name))
 
+
+def test_the_meeting_file_goes_once_every_rank_is_out_of_the_meeting(tmp_path):
+    # torch's FileStore can leave its file (two ranks letting go together), so rank 0 removes it.
+    path = tmp_path / "bridge-token.store"
+    path.write_bytes(b"")
+    store = dist.HashStore()
+    rank0 = threading.Thread(target=factory._remove_after_meeting,
+                             args=(store, 0, 2, timedelta(seconds=60), str(path)))
+    rank0.start()
+    time.sleep(0.5)
+    assert rank0.is_alive() and path.exists()  # rank 1 still meets through it
+    factory._remove_after_meeting(store, 1, 2, timedelta(seconds=60), str(path))
+    rank0.join(10)
+    assert not rank0.is_alive() and not path.exists()
+
+
+def test_a_rank_0_that_failed_to_meet_removes_the_meeting_dir_at_once(tmp_path):
+    run_dir = tmp_path / "kaitian-run-x"
+    run_dir.mkdir()
+    (run_dir / "bridge-token.store").write_bytes(b"")
+    started = time.monotonic()
+    factory._remove_after_meeting(dist.HashStore(), 0, 3, timedelta(0), str(run_dir))
+    assert time.monotonic() - started < 5 and not run_dir.exists()
 
 def test_plain_torchrun_without_kaitian_variables(tmp_path):
     script = tmp_path / "train.py"
