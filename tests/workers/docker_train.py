@@ -6,7 +6,7 @@ container (cgroup) and Python environment it ran in.
 DOCKER_E2E_MODE=restart: on the first attempt each rank records its pid and
 waits (the test kills one inside its container); on a restart it succeeds.
 DOCKER_E2E_MODE=wait: records its pid and waits to be stopped.
-DOCKER_E2E_MODE=crash: prints a line; rank 1 exits with 3 (ok: every rank exits 0).
+DOCKER_E2E_MODE=crash: prints a line; rank 1 exits with 3 once rank 0 has printed (ok: every rank exits 0).
 """
 
 import json
@@ -81,6 +81,12 @@ elif mode == "ok":
     print(f"ok-log from rank {rank}", flush=True)
 elif mode == "crash":
     print(f"crash-log from rank {rank}", flush=True)
+    record("printed", {})
+    # Rank 1's failure stops rank 0: not before rank 0 has printed too.
+    rank0 = os.path.join(out, f"printed.0.{attempt}.json")
+    deadline = time.monotonic() + 120
+    while rank == 1 and not os.path.exists(rank0) and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise SystemExit(3 if rank == 1 else 0)
 elif mode == "restart" and attempt > 0:
     pass  # the restarted group succeeds
