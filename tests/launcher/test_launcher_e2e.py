@@ -30,8 +30,13 @@ CGROUP_ROOT = "/sys/fs/cgroup/cpu/kaitian"
 from kaitian.launcher.runtimes.cpu_limits import cgroups_writable  # noqa: E402
 
 import torch  # noqa: E402
+from torch.distributed.run import get_args_parser  # noqa: E402
 
 TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# An older torchrun binds every single-node launch to port 29500 unless told
+# otherwise: tests that run side by side (CI's lanes) would race for it.
+FIXED_DEFAULT_PORT = get_args_parser().parse_args(["script"]).master_port is not None
 
 # Variables whose values legitimately differ between two launches of the same job.
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "_RUN_DIR_MODE",
@@ -58,6 +63,8 @@ def _env(**extra):
     for k in [k for k in env if k.startswith(("USE_", "KAITIAN_", "PET_", "TORCHELASTIC_"))]:
         del env[k]
     env.pop("OMP_NUM_THREADS", None)
+    if FIXED_DEFAULT_PORT:
+        env["PET_MASTER_PORT"] = str(free_port())
     env.update(extra)
     return env
 
@@ -150,10 +157,11 @@ def test_worker_env_matches_torchrun(tmp_path, flags, pet):
     port = str(free_port())  # (not a fixed one: another torch's suite may run beside this one)
     flags = [port if f == "{port}" else f for f in flags]
     outs = {}
+    env = _env(TMPDIR=str(tmp_path), **pet)  # one for both: the same PET_MASTER_PORT, where _env sets one
     for name, launcher in (("torchrun", _torchrun()), ("kaitianrun", _kaitianrun())):
         out = tmp_path / name
         out.mkdir()
-        proc = _run([*launcher, *flags, _script("envdump.py"), str(out)], env=_env(TMPDIR=str(tmp_path), **pet))
+        proc = _run([*launcher, *flags, _script("envdump.py"), str(out)], env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs[name] = _dumps(str(out))
     assert sorted(outs["torchrun"]) == sorted(outs["kaitianrun"]) == [0, 1]
