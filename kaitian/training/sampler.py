@@ -214,7 +214,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """The stepping loop: this rank's batches of the current epoch, from its first step;
         ``follow_split=False`` keeps the split for the epoch (a DataLoader's ``batch_size`` cannot follow)."""
         before = self.split
-        self._schedule.next_batch(at_epoch_start=True, draw=False)
+        self._schedule.before_batch(at_epoch_start=True, draw=False)
         if not follow_split and self.split != before:
             _log.warning("rank %d: the split changed to %s; a DataLoader built with batch_size=%d must be rebuilt "
                          "(or use batch_sampler=sampler.batch_sampler())", self.rank, self.split, before[self.rank])
@@ -242,7 +242,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         waiting for the epoch). Drawing a step again after :meth:`reshape`
         gives this rank's share of the same global batch under the new split.
         """
-        self._schedule.next_batch(at_epoch_start=step == 0, draw=True)
+        self._schedule.before_batch(at_epoch_start=step == 0, draw=True)
         return self._cut(step)
 
     def reshape(self, num_replicas: int, rank: int, split: Sequence[int]) -> None:

@@ -206,8 +206,8 @@ class SplitSchedule:
             sizes, at = self._pending
             self._pending = (proportional_split(self.global_batch_size, sizes, minimum=minimum), at)
 
-    def next_batch(self, at_epoch_start: bool, draw: bool) -> List[int]:
-        """The split of the next batch, a change that is due applied first; ``draw``: count it as drawn."""
+    def before_batch(self, at_epoch_start: bool, draw: bool) -> None:
+        """Applies a change that is due before the next batch; ``draw``: count that batch as drawn."""
         if self._pending is not None:
             sizes, at = self._pending
             if at_epoch_start or (at is not None and self.draws >= at):
@@ -216,7 +216,6 @@ class SplitSchedule:
                     _log.info("new split %s (was %s)", sizes, old)
                     self.listeners(old, list(sizes))
         self.draws += int(draw)
-        return self.current
 
     def state_dict(self) -> Dict[str, Any]:
         pending = None
