@@ -39,6 +39,7 @@ def _run_suite(backend: str, world_size: int, extra=(), timeout: float = 330) ->
                *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KAITIAN_")}
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        env["TMPDIR"] = tmp  # the suite's tests leave their FileStore files there (about 100 a run)
         proc = subprocess.run(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=timeout, start_new_session=True)
         if not os.path.exists(out):
