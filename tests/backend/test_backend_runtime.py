@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
         left_files = os.listdir(os.path.join(tmp, "run")) if os.path.isdir(os.path.join(tmp, "run")) else []
     else:
         left_files = []
+    shutil.rmtree(tmp, ignore_errors=True)
     return results, logs, leftovers, left_files
 
 
