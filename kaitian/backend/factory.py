@@ -17,7 +17,6 @@ import secrets
 import shutil
 import socket
 import tempfile
-import time
 from datetime import timedelta
 from typing import Optional
 
@@ -313,15 +312,16 @@ def _shut_down_at_exit(c_module) -> None:
 
 
 def _remove_after_meeting(store, rank: int, size: int, timeout: timedelta, path: str) -> None:
-    """Counts this rank out of the meeting; rank 0 removes ``path`` (a file or a directory)
+    """Marks this rank out of the meeting; rank 0 removes ``path`` (a file or a directory)
     once every rank is out, or after ``timeout``."""
-    store.add("kaitian/met", 1)
+    store.set(f"kaitian/met/{rank}", b"1")
     if rank != 0:
         return
     try:
-        deadline = time.monotonic() + timeout.total_seconds()
-        while int(store.add("kaitian/met", 0)) < size and time.monotonic() < deadline:
-            time.sleep(0.002)
+        if timeout > timedelta(0):
+            store.wait([f"kaitian/met/{r}" for r in range(size)], timeout)
+    except RuntimeError:  # (torch's store errors) a rank never got out: its own error says why
+        pass
     finally:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)

@@ -140,13 +140,15 @@ def test_the_meeting_file_goes_once_every_rank_is_out_of_the_meeting(tmp_path):
     assert not rank0.is_alive() and not path.exists()
 
 
-def test_a_rank_0_that_failed_to_meet_removes_the_meeting_dir_at_once(tmp_path):
+@pytest.mark.parametrize("wait_s", [0, 1])  # 0: rank 0 failed itself; 1: another rank never gets out
+def test_the_meeting_dir_goes_at_once_or_after_the_timeout_when_a_rank_never_gets_out(tmp_path, wait_s):
     run_dir = tmp_path / "kaitian-run-x"
     run_dir.mkdir()
     (run_dir / "bridge-token.store").write_bytes(b"")
     started = time.monotonic()
-    factory._remove_after_meeting(dist.HashStore(), 0, 3, timedelta(0), str(run_dir))
-    assert time.monotonic() - started < 5 and not run_dir.exists()
+    factory._remove_after_meeting(dist.HashStore(), 0, 3, timedelta(seconds=wait_s), str(run_dir))
+    assert wait_s <= time.monotonic() - started < wait_s + 5 and not run_dir.exists()
+
 
 def test_plain_torchrun_without_kaitian_variables(tmp_path):
     script = tmp_path / "train.py"
