@@ -145,7 +145,6 @@ def test_split_change_at_next_epoch_and_listeners():
     assert seen == [([10, 10], [15, 5])]
 
 
-
 def test_a_raised_minimum_also_lifts_a_split_change_that_waits():
     samplers = _ranks(100, 10, [1.0, 1.0])
     for s in samplers:
@@ -153,6 +152,7 @@ def test_a_raised_minimum_also_lifts_a_split_change_that_waits():
         s.require_min_batch_size(2)  # the model has BatchNorm
     batches = _epoch(samplers, 1)
     assert [len(b[0]) for b in batches] == [18, 2]
+
 
 @pytest.mark.parametrize("bad, match", [
     ([10], "entries"), ([0, 20], "at least 1"), ([12, 12], "global batch"),
