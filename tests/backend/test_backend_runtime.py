@@ -1,8 +1,8 @@
 """Backend kaitian in real multi-process runs: layout, subgroups, p2p, TCP
 bridge, dead peers, Work.wait(timeout) and the group timeout, shm lifecycle.
 
-Ranks are subprocesses with torchrun's variables and ``KAITIAN_GROUP`` to split
-them into simulated vendors. The collective op x dtype matrix lives in
+Ranks are processes (forks of support/zygote.py) with torchrun's variables and
+``KAITIAN_GROUP`` to split them into simulated vendors. The collective op x dtype matrix lives in
 test_collectives.py; these tests cover what only the backend knows.
 """
 
@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 
 from support import REPO, worker
+from support.zygote import start_rank
 
 WORKER = worker("backend_runtime")
 
@@ -40,7 +41,7 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
     """Runs one worker per entry of ``groups``; returns (results by rank, logs, leftovers)."""
     port = _port()
     tmp = tempfile.mkdtemp(prefix="kt-backend-test-")
-    procs = []
+    procs, logs = [], []
     for rank, group in enumerate(groups):
         e = {k: v for k, v in os.environ.items() if not k.startswith("KAITIAN_")}
         e.update(RANK=str(rank), WORLD_SIZE=str(len(groups)), LOCAL_RANK=str(rank),
@@ -51,20 +52,29 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
         if run_dir:
             e["KAITIAN_RUN_DIR"] = os.path.join(tmp, "run")
         e.update(env or {})
-        procs.append(subprocess.Popen([sys.executable, WORKER, *argv], env=e, cwd=tmp,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results, logs = {}, []
+        logs.append(os.path.join(tmp, f"rank{rank}.log"))
+        procs.append(start_rank([WORKER, *argv], e, tmp, logs[-1]))
     deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            logs.append(out)
-            pytest.fail(f"ranks hung past {timeout}s:\n" + "\n".join(l[-2000:] for l in logs))
-        logs.append(out)
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        hung = False
+    except subprocess.TimeoutExpired:
+        hung = True
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    outs = []
+    for path in logs:
+        with open(path, errors="replace") as fh:
+            outs.append(fh.read())
+    logs = outs
+    if hung:
+        shutil.rmtree(tmp, ignore_errors=True)
+        pytest.fail(f"ranks hung past {timeout}s:\n" + "\n".join(l[-2000:] for l in logs))
+    results = {}
+    for out in logs:
         for line in out.splitlines():
             if line.startswith("RESULT "):
                 rec = json.loads(line[len("RESULT "):])

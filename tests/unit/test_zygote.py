@@ -1,0 +1,43 @@
+"""The test support's forked ranks (support/zygote.py) against fresh interpreters.
+
+A rank forked from the zygote must look to its script exactly as ``python
+script`` would: the same report from the probe, started both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from support import TESTS, worker
+from support.zygote import start_rank
+
+
+def _probe(tmp_path, monkeypatch, fresh: bool, mode: str) -> tuple:
+    monkeypatch.setenv("KT_FRESH_RANKS", "1" if fresh else "0")
+    out, log = tmp_path / f"report-{fresh}", tmp_path / f"log-{fresh}"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": TESTS, "KT_PROBE": "yes", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    rank = start_rank([worker("zygote_probe"), str(out), mode], env, str(tmp_path), str(log))
+    returncode = rank.wait(timeout=60)
+    report = json.loads(out.read_text())
+    report["env"] = {k: v for k, v in report["env"].items() if k != "LC_CTYPE"}  # Python may coerce the C locale
+    return returncode, report, log.read_text(), (tmp_path / f"report-{fresh}.atexit").exists(), rank.pid
+
+
+@pytest.mark.parametrize("mode,returncode", [("exit3", 3), ("raise", 1), ("killed", -9)])
+def test_a_forked_rank_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypatch, mode, returncode):
+    fresh = _probe(tmp_path, monkeypatch, True, mode)
+    forked = _probe(tmp_path, monkeypatch, False, mode)
+    for got in (fresh, forked):
+        rc, report, log, atexit_ran, pid = got
+        assert rc == returncode and atexit_ran == (mode != "killed"), (rc, log)
+        assert report["own_session"] and report["stdin"] == "" and report["threads"] == 1
+        assert not report["kaitian_imported"] and report["name"] == "__main__"
+        assert "to stdout" in log and "to stderr" in log
+        assert ("ValueError: the probe raised" in log) == (mode == "raise")
+    # every field but the report file's own name
+    assert {k: v for k, v in forked[1].items() if k != "argv"} == {k: v for k, v in fresh[1].items() if k != "argv"}
+    assert forked[1]["argv"][2:] == fresh[1]["argv"][2:]
