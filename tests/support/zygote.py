@@ -208,6 +208,8 @@ def _become_rank(request: dict, base_path: list) -> dict:
     sys.stdout = sys.__stdout__ = output(1)
     sys.stderr = sys.__stderr__ = output(2, errors="backslashreplace", line_buffering=True)
     script = request["argv"][0]
+    with open("/proc/self/comm", "w") as fh:  # ps and top name the rank by its script, not the zygote
+        fh.write(os.path.basename(script)[:15])
     sys.argv = list(request["argv"])
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.path.dirname(os.path.abspath(script)), *pythonpath, *base_path]
