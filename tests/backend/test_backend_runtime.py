@@ -63,7 +63,10 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
         hung = True
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
                 p.wait()
     outs = []
     for path in logs:

@@ -194,7 +194,10 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
         time.sleep(1.0)
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
                 p.wait()
     time.sleep(0.2)
     leftover = sorted(shm_segments([p.pid for p in procs]) - before)

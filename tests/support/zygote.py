@@ -45,7 +45,8 @@ def start_rank(argv: Sequence[str], env: Dict[str, str], cwd: str, log: str):
         with open(log, "w") as fh:
             return subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-    return _ForkedRank(_zygote(), _zygote().start(list(argv), env, cwd, log))
+    zygote = _zygote()
+    return _ForkedRank(zygote, zygote.start(list(argv), env, cwd, log))
 
 
 # --- the test's side -------------------------------------------------------------------
@@ -88,13 +89,10 @@ class _Zygote:
     def _next(self, deadline: Optional[float]) -> Optional[dict]:
         """The next message (an end is recorded as well); None once ``deadline`` passed."""
         while b"\n" not in self._buf:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            self._sock.settimeout(left)
+            self._sock.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
             try:
-                data = self._sock.recv(1 << 16)
-            except socket.timeout:
+                data = self._sock.recv(1 << 16)  # (past the deadline: what has already come)
+            except (socket.timeout, BlockingIOError):
                 return None
             if not data:
                 raise RuntimeError(f"the rank zygote (pid {self.proc.pid}) ended, exit {self.proc.wait()}")

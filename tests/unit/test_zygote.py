@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
@@ -41,3 +44,20 @@ def test_a_forked_rank_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypatc
     # every field but the report file's own name
     assert {k: v for k, v in forked[1].items() if k != "argv"} == {k: v for k, v in fresh[1].items() if k != "argv"}
     assert forked[1]["argv"][2:] == fresh[1]["argv"][2:]
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "forked"])
+def test_poll_and_wait_see_a_rank_end(tmp_path, monkeypatch, fresh):
+    monkeypatch.setenv("KT_FRESH_RANKS", "1" if fresh else "0")
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": TESTS}
+    ends = start_rank([worker("zygote_probe"), str(tmp_path / "a"), "exit3"], env, str(tmp_path), str(tmp_path / "a.log"))
+    hangs = start_rank([worker("zygote_probe"), str(tmp_path / "b"), "hang"], env, str(tmp_path), str(tmp_path / "b.log"))
+    deadline = time.monotonic() + 60
+    while ends.poll() is None and time.monotonic() < deadline:  # poll() alone must see the end
+        time.sleep(0.05)
+    assert ends.returncode == 3
+    with pytest.raises(subprocess.TimeoutExpired):
+        hangs.wait(timeout=0.5)
+    assert hangs.poll() is None
+    os.killpg(hangs.pid, signal.SIGKILL)
+    assert hangs.wait(timeout=60) == -signal.SIGKILL

@@ -1,7 +1,8 @@
 """Reports what a started process sees of itself (tests/unit/test_zygote.py).
 
 Usage: zygote_probe.py OUT MODE; MODE exit3 ends with SystemExit(3), raise with
-an uncaught exception, killed by SIGKILL (what it printed must be in its log).
+an uncaught exception, killed by SIGKILL (what it printed must be in its log),
+hang sleeps until it is killed.
 Writes JSON to OUT, then OUT.atexit from an atexit handler.
 """
 import atexit
@@ -9,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 out, mode = sys.argv[1], sys.argv[2]
 atexit.register(lambda: open(out + ".atexit", "w").close())
@@ -33,4 +35,6 @@ if mode == "raise":
     raise ValueError("the probe raised")
 if mode == "killed":
     os.kill(os.getpid(), signal.SIGKILL)
+if mode == "hang":
+    time.sleep(600)
 sys.exit(3)
