@@ -50,8 +50,8 @@ def test_a_forked_rank_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypatc
 def test_poll_and_wait_see_a_rank_end(tmp_path, monkeypatch, fresh):
     monkeypatch.setenv("KT_FRESH_RANKS", "1" if fresh else "0")
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": TESTS}
-    ends = start_rank([worker("zygote_probe"), str(tmp_path / "a"), "exit3"], env, str(tmp_path), str(tmp_path / "a.log"))
-    hangs = start_rank([worker("zygote_probe"), str(tmp_path / "b"), "hang"], env, str(tmp_path), str(tmp_path / "b.log"))
+    ends, hangs = (start_rank([worker("zygote_probe"), str(tmp_path / mode), mode], env, str(tmp_path),
+                              str(tmp_path / f"{mode}.log")) for mode in ("exit3", "hang"))
     deadline = time.monotonic() + 60
     while ends.poll() is None and time.monotonic() < deadline:  # poll() alone must see the end
         time.sleep(0.05)
