@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -20,6 +19,7 @@ import time
 import pytest
 
 from support import REPO, worker
+from support.ranks import kill_ranks
 from support.zygote import start_rank
 
 WORKER = worker("backend_runtime")
@@ -61,13 +61,7 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
         hung = False
     except subprocess.TimeoutExpired:
         hung = True
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:  # it ended meanwhile
-                    pass
-                p.wait()
+        kill_ranks(procs)
     outs = []
     for path in logs:
         with open(path, errors="replace") as fh:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["Layout", "RankRun", "run_ranks", "free_port", "shm_segments"]
+__all__ = ["Layout", "RankRun", "run_ranks", "kill_ranks", "free_port", "shm_segments"]
 
 from kaitian.devices.device import WorkerDevice
 from kaitian.settings import Settings
@@ -192,17 +192,22 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
                 except ProcessLookupError:
                     pass
         time.sleep(1.0)
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:  # it ended meanwhile
-                    pass
-                p.wait()
+        kill_ranks(procs)
     time.sleep(0.2)
     leftover = sorted(shm_segments([p.pid for p in procs]) - before)
     return RankRun([p.returncode for p in procs], logs, outs, timed_out, time.monotonic() - start, workdir,
                    leftover)
+
+
+def kill_ranks(procs) -> None:
+    """Kills the sessions of the ranks still running and waits for them."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+            p.wait()
 
 
 def tail(path: str, n: int = 40) -> str:

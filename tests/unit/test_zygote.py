@@ -1,7 +1,8 @@
 """The test support's forked ranks (support/zygote.py) against fresh interpreters.
 
 A rank forked from the zygote must look to its script exactly as ``python
-script`` would: the same report from the probe, started both ways.
+script`` would: the same report from the probe, started both ways. Its end is
+seen by ``poll`` and ``wait``; a run that hangs is dumped and killed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from support import TESTS, worker
+from support.ranks import Layout, cleanup, run_ranks, tail
 from support.zygote import start_rank
 
 
@@ -61,3 +63,12 @@ def test_poll_and_wait_see_a_rank_end(tmp_path, monkeypatch, fresh):
     assert hangs.poll() is None
     os.killpg(hangs.pid, signal.SIGKILL)
     assert hangs.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_ranks_that_hang_past_the_timeout_dump_their_stacks_and_are_killed(tmp_path):
+    run = run_ranks(Layout("1+1"), [worker("zygote_probe"), str(tmp_path / "report"), "hang"], timeout=3)
+    try:
+        assert run.timed_out and run.returncodes == [-signal.SIGKILL] * 2, run.returncodes
+        assert all("in <module>" in tail(log) for log in run.logs)  # the stacks dumped first
+    finally:
+        cleanup(run)

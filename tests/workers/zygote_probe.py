@@ -2,10 +2,11 @@
 
 Usage: zygote_probe.py OUT MODE; MODE exit3 ends with SystemExit(3), raise with
 an uncaught exception, killed by SIGKILL (what it printed must be in its log),
-hang sleeps until it is killed.
+hang sleeps until it is killed (SIGUSR1 dumps its stack).
 Writes JSON to OUT, then OUT.atexit from an atexit handler.
 """
 import atexit
+import faulthandler
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ if mode == "raise":
     raise ValueError("the probe raised")
 if mode == "killed":
     os.kill(os.getpid(), signal.SIGKILL)
-if mode == "hang":
+if mode == "hang":  # as the rank workers do: SIGUSR1 dumps the stacks
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     time.sleep(600)
 sys.exit(3)
