@@ -1,9 +1,10 @@
 """Backend kaitian in real multi-process runs: layout, subgroups, p2p, TCP
 bridge, dead peers, Work.wait(timeout) and the group timeout, shm lifecycle.
 
-Ranks are processes (forks of support/zygote.py) with torchrun's variables and
-``KAITIAN_GROUP`` to split them into simulated vendors. The collective op x dtype matrix lives in
-test_collectives.py; these tests cover what only the backend knows.
+Ranks are processes (forks of support/zygote.py) with torchrun's variables
+and ``KAITIAN_GROUP`` to split them into simulated vendors. The collective op x
+dtype matrix lives in test_collectives.py; these tests cover what only the
+backend knows.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
     """Runs one worker per entry of ``groups``; returns (results by rank, logs, leftovers)."""
     port = _port()
     tmp = tempfile.mkdtemp(prefix="kt-backend-test-")
-    procs, logs = [], []
+    procs, log_paths = [], []
     for rank, group in enumerate(groups):
         e = {k: v for k, v in os.environ.items() if not k.startswith("KAITIAN_")}
         e.update(RANK=str(rank), WORLD_SIZE=str(len(groups)), LOCAL_RANK=str(rank),
@@ -52,8 +53,8 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
         if run_dir:
             e["KAITIAN_RUN_DIR"] = os.path.join(tmp, "run")
         e.update(env or {})
-        logs.append(os.path.join(tmp, f"rank{rank}.log"))
-        procs.append(start_rank([WORKER, *argv], e, tmp, logs[-1]))
+        log_paths.append(os.path.join(tmp, f"rank{rank}.log"))
+        procs.append(start_rank([WORKER, *argv], e, tmp, log_paths[-1]))
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -62,11 +63,10 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
     except subprocess.TimeoutExpired:
         hung = True
         kill_ranks(procs)
-    outs = []
-    for path in logs:
+    logs = []
+    for path in log_paths:
         with open(path, errors="replace") as fh:
-            outs.append(fh.read())
-    logs = outs
+            logs.append(fh.read())
     if hung:
         shutil.rmtree(tmp, ignore_errors=True)
         pytest.fail(f"ranks hung past {timeout}s:\n" + "\n".join(l[-2000:] for l in logs))
