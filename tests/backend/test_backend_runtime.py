@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,27 +19,15 @@ import time
 import pytest
 
 from support import REPO, worker
-from support.ranks import kill_ranks
+from support.ranks import free_port, kill_ranks, shm_segments
 from support.zygote import start_rank
 
 WORKER = worker("backend_runtime")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _segments(pids) -> set:
-    """kaitian segments created by `pids` (other jobs may share /dev/shm)."""
-    tags = [f"-{p}-" for p in pids]
-    return {n for n in os.listdir("/dev/shm") if n.startswith("kaitian-") and any(t in n for t in tags)}
-
-
 def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
     """Runs one worker per entry of ``groups``; returns (results by rank, logs, leftovers)."""
-    port = _port()
+    port = free_port()
     tmp = tempfile.mkdtemp(prefix="kt-backend-test-")
     procs, log_paths = [], []
     for rank, group in enumerate(groups):
@@ -77,7 +64,7 @@ def launch(groups, argv, env=None, timeout=90.0, run_dir=True):
                 rec = json.loads(line[len("RESULT "):])
                 results[rec["rank"]] = rec
     time.sleep(0.1)
-    leftovers = sorted(_segments([p.pid for p in procs]))
+    leftovers = sorted(shm_segments([p.pid for p in procs]))
     if run_dir:
         left_files = os.listdir(os.path.join(tmp, "run")) if os.path.isdir(os.path.join(tmp, "run")) else []
     else:
