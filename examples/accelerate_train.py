@@ -23,7 +23,8 @@ import kaitian
 from kaitian.accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BatchLog, make_dataset, make_model, parse_args, save_weights, shut_down  # noqa: E402
+from common import (  # noqa: E402
+    BatchLog, make_dataset, make_model, parse_args, save_weights, schedule_resplit, shut_down)
 
 
 def main(argv=None) -> int:
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     caps = args.capabilities
 
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="kaitian")])
-    dataset = make_dataset()
+    dataset = make_dataset(args.samples)
     sampler = kaitian.DistributedSampler(dataset, batch_size=args.batch_size, capabilities=caps)
     loader = DataLoader(dataset, batch_sampler=sampler.batch_sampler())
     model = make_model()
@@ -40,7 +41,9 @@ def main(argv=None) -> int:
     log = BatchLog(args.log_batches, accelerator.process_index)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        for x, y, index in loader:
+        for step, (x, y, index) in enumerate(loader):
+            if epoch == step == 0:
+                schedule_resplit(sampler, args)  # --resplit: a split change mid-epoch (the tests')
             x, y = x.to(accelerator.device), y.to(accelerator.device)
             log.add(index)
             optimizer.zero_grad()

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["parse_args", "make_dataset", "Rows", "make_model", "BatchLog", "save_weights"]
+__all__ = ["parse_args", "schedule_resplit", "make_dataset", "Rows", "make_model", "BatchLog", "save_weights"]
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
@@ -26,11 +26,24 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     p.add_argument("--capabilities", default=None, help="e.g. 3,1 (default: kaitian init's)")
     p.add_argument("--no-rebalance", action="store_true", help="keep the capability split")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--samples", type=int, default=480, help="dataset size")
+    p.add_argument("--resplit", default=None,
+                   help="DRAWS:SPLIT, e.g. 7:20,12: that split from the first epoch's batch DRAWS on (a change "
+                        "mid-epoch, for the scripts that build their own sampler)")
     p.add_argument("--log-batches", default=None, help="directory for each rank's batch log")
     p.add_argument("--save", default=None, help="rank 0 writes the trained weights here (JSON)")
     args, _ = p.parse_known_args(argv)
     args.capabilities = [float(c) for c in args.capabilities.split(",")] if args.capabilities else None
     return args
+
+
+def schedule_resplit(sampler, args: argparse.Namespace) -> None:
+    """Applies ``--resplit DRAWS:SPLIT`` to a kaitian sampler; call it once the first epoch's first
+    batch is in hand (a change set before an epoch starts takes effect at its start)."""
+    if args.resplit:
+        draws, split = args.resplit.split(":")
+        handed_out = sampler.state_dict()["step"]  # the loader may have drawn ahead
+        sampler.set_split([int(b) for b in split.split(",")], after_draws=int(draws) - handed_out)
 
 
 def make_dataset(n: int = 480, seed: int = 0) -> TensorDataset:
@@ -44,8 +57,8 @@ def make_dataset(n: int = 480, seed: int = 0) -> TensorDataset:
 class Rows(torch.utils.data.Dataset):
     """The shared dataset as dict rows (what the Trainer's collator expects)."""
 
-    def __init__(self) -> None:
-        self.x, self.y, self.index = make_dataset().tensors
+    def __init__(self, n: int = 480) -> None:
+        self.x, self.y, self.index = make_dataset(n).tensors
 
     def __len__(self) -> int:
         return len(self.x)
@@ -60,15 +73,16 @@ def make_model() -> torch.nn.Module:
 
 
 class BatchLog:
-    """Appends each optimizer step's sample indices of this rank to ``DIR/rank-R.jsonl``
-    (with gradient accumulation: every micro-batch of the step's window)."""
+    """Appends each optimizer step's sample indices of this rank to ``DIR/rank-R.jsonl``, a list
+    per micro-batch (with gradient accumulation: every micro-batch of the step's window)."""
 
     def __init__(self, directory: Optional[str], rank: int) -> None:
         self.path = os.path.join(directory, f"rank-{rank}.jsonl") if directory else None
-        self._step: List[int] = []
+        self._step: List[List[int]] = []
 
     def add(self, index: torch.Tensor) -> None:
-        self._step.extend(int(i) for i in index)
+        """Logs one micro-batch."""
+        self._step.append([int(i) for i in index])
 
     def step_done(self) -> None:
         if self.path:

@@ -39,7 +39,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     model = make_model().to(kaitian.device())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer = Trainer(model, optimizer, make_dataset(), batch_size=args.batch_size,
+    trainer = Trainer(model, optimizer, make_dataset(args.samples), batch_size=args.batch_size,
                       capabilities=args.capabilities, rebalance=None if args.no_rebalance else True)
 
     def on_step(info):

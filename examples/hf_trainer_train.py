@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         disable_tqdm=True, use_cpu=True,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=parsed.lr)
-    trainer = KaitianTrainer(model=model, args=args, train_dataset=Rows(), capabilities=caps,
+    trainer = KaitianTrainer(model=model, args=args, train_dataset=Rows(parsed.samples), capabilities=caps,
                              optimizers=(optimizer, None), callbacks=[StepDone(log)])
     trainer.train()
     if trainer.is_world_process_zero():

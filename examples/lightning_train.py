@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    dataset = make_dataset()
+    dataset = make_dataset(args.samples)
     module = Regressor(args.lr, BatchLog(args.log_batches, rank), args.accumulate)
     # Lightning sets up the process group in fit(); the sampler needs the world
     # size now, so it is built in the module's train_dataloader hook.

@@ -2,8 +2,7 @@
 
 ::
 
-    from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import InitProcessGroupKwargs, gather_object, recursively_apply
+    from accelerate.utils import InitProcessGroupKwargs
     import kaitian
     from kaitian.accelerate import Accelerator
 
@@ -39,12 +38,18 @@ from accelerate.utils import InitProcessGroupKwargs, gather_object, recursively_
   other dimensions must agree across ranks);
 * ``backward(loss, count=None, total=None)`` scales the loss with
   :func:`kaitian.scale_loss` first, given the sampler of the loader being
-  iterated (``count`` defaults to its batch; stock DDP then averages to the
-  exact global-batch mean). With ``gradient_accumulation_steps`` and no ``total``,
-  each micro-batch is the global mean of its own samples divided by the
-  steps, as Accelerate does in one process; with ``total`` (the window's
-  global count, :func:`kaitian.global_count`, short last window included)
-  the step is exactly the mean over the window's samples.
+  iterated (``count`` defaults to the size of the batch being trained, which
+  the sampler keeps in hand-out order: Accelerate's loader draws one batch
+  ahead; stock DDP then averages to the exact global-batch mean). With
+  ``gradient_accumulation_steps`` and no ``total``, each micro-batch is the
+  global mean of its own samples divided by the steps, as Accelerate does in
+  one process. ``total="window"`` makes each optimizer step exactly the mean
+  over its window's samples: the window's global count comes from kaitian's
+  split (short last step and short last window included), with no exchange
+  and without drawing the window ahead; use it inside
+  ``accelerator.accumulate(model)`` with the default ``sync_with_dataloader``
+  (windows start with the loader), or pass ``total`` yourself (the window's
+  :func:`kaitian.global_count`).
 
 Tested on CPU ranks in two simulated vendor groups (no accelerator in CI).
 """
@@ -142,9 +147,31 @@ class Accelerator(accelerate.Accelerator):
 
     def backward(self, loss, count: Optional[Any] = None, total: Optional[Any] = None, **kwargs: Any) -> None:
         sampler = kaitian_sampler_of(self.gradient_state.active_dataloader)
+        if isinstance(total, str):
+            if total != "window" or sampler is None or count is not None:
+                raise TrainingError(
+                    f"kaitian.accelerate: backward(loss, total={total!r}) needs total='window', no count= and a "
+                    "loader on kaitian's sampler (the window's count comes from its split); "
+                    "otherwise pass total=kaitian.global_count(...) over the window")
+            batch = sampler.claim_batch()
+            count, total = batch.size, self._window_samples(sampler, batch.step)
         scaled = scale_loss(loss, count=count, total=total, sampler=sampler)
         if total is not None:
             # total spans the whole window already; Accelerate's backward divides
             # by gradient_accumulation_steps again.
             scaled = scaled * self.gradient_accumulation_steps
         super().backward(scaled, **kwargs)
+
+    def _window_samples(self, sampler, step: int) -> int:
+        """Samples over all ranks in the accumulation window of ``step``: windows of
+        ``gradient_accumulation_steps`` from where the epoch's pass started, the last one
+        ending with the loader (Accelerate's ``sync_with_dataloader``)."""
+        steps = self.gradient_accumulation_steps
+        start = sampler.first_step + (step - sampler.first_step) // steps * steps
+        end = min(start + steps, sampler.num_steps)
+        if (step + 1 == end) != self.sync_gradients:
+            raise TrainingError(
+                f"kaitian.accelerate: total='window' puts step {step} in the window of steps {start}-{end - 1}, "
+                f"but Accelerate {'does not step' if step + 1 == end else 'steps'} there; call backward inside "
+                "accelerator.accumulate(model) with sync_with_dataloader=True, or pass total= yourself")
+        return sum(sampler.step_samples(s) for s in range(start, end))

@@ -16,21 +16,30 @@ too few samples remain, the first of the permutation are repeated: at most
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.utils.data
 
-from kaitian.errors import SplitError
+from kaitian.errors import SplitError, TrainingError
 from kaitian.training.listeners import Listeners
 from kaitian.training.split import Capabilities, SplitSchedule, epoch_layout, proportional_split, rank_capabilities
 
-__all__ = ["DistributedSampler", "KaitianBatchSampler", "kaitian_sampler_of", "SplitError", "DEFAULT_BATCH_SIZE"]
+__all__ = ["DistributedSampler", "KaitianBatchSampler", "HandedBatch", "kaitian_sampler_of", "SplitError",
+           "DEFAULT_BATCH_SIZE"]
 
 _log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 32  # per rank of an equal split, when batch_size is not given
+
+
+class HandedBatch(NamedTuple):
+    """A batch this rank's sampler handed out: its step in the epoch and its size."""
+
+    step: int
+    size: int
 
 
 class DistributedSampler(torch.utils.data.DistributedSampler):
@@ -114,7 +123,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.first_step = 0  # where the current epoch's iteration started: 0, or a checkpoint's step
         self.yielded = 0  # indices iter(self) handed out this epoch: what a DataLoader's own batch_size took
         self._perm: Optional[tuple] = None  # ((len, shuffle, seed, epoch), permutation)
-        self.last_batch_size = self.local_batch_size  # size of the batch handed out last
+        # Batches handed out that no loss has claimed yet, oldest first: loaders
+        # draw ahead (workers, Accelerate's look-ahead), so "the last" is not the trained one.
+        self._unclaimed: Deque[HandedBatch] = deque()
         self._epoch_listeners = Listeners()
         _log.info("rank %d: global batch %d split %s (capabilities %s)",
                   self.rank, self.global_batch_size, self.split, self.capabilities)
@@ -207,8 +218,30 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         perm = self._permutation()
         indices = [perm[i % len(perm)] for i in range(start, start + sizes[self.rank])]  # wraps round: padding
         self._epoch_step = step + 1
-        self.last_batch_size = len(indices)
+        self._unclaimed.append(HandedBatch(step, len(indices)))
         return indices
+
+    def claim_batch(self) -> HandedBatch:
+        """The oldest batch handed out this epoch that no loss has claimed yet (batches are trained
+        in the order they are handed out, however far the loader draws ahead).
+
+        :func:`kaitian.scale_loss` without ``count=`` claims one per call.
+
+        Raises:
+            TrainingError: every batch handed out this epoch is claimed already.
+        """
+        if not self._unclaimed:
+            raise TrainingError(
+                f"rank {self.rank}: a loss claims a batch of kaitian's sampler, but every batch it handed out "
+                "this epoch is claimed already (one scale_loss(loss, sampler=...) per batch); "
+                "pass count=len(batch)")
+        return self._unclaimed.popleft()
+
+    def step_samples(self, step: int) -> int:
+        """Samples over all ranks in ``step`` of the current epoch (the global batch, less in the
+        short last step); the same under any split."""
+        full, rest = self.layout()
+        return self.global_batch_size if step < full else sum(rest or ())
 
     def _epoch(self, follow_split: bool) -> Iterator[List[int]]:
         """The stepping loop: this rank's batches of the current epoch, from its first step;
@@ -221,6 +254,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         resume, self._resume_step = self._resume_step, None
         self.first_step = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.yielded = 0
+        self._unclaimed.clear()  # a new pass over the epoch: what the last one left untrained is void
         for step in range(self.first_step, self.num_steps):
             yield self.draw(step) if follow_split else self._cut(step)
 
@@ -262,7 +296,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         self.capabilities = [float(s) for s in self.split]
         self.batch_size = max(1, self.global_batch_size // self.num_replicas)  # the equal split's, nominally
-        self.last_batch_size = self.local_batch_size
+        self._unclaimed.clear()  # batches of the old world are drawn again in the new one
 
     def batch_sampler(self) -> "KaitianBatchSampler":
         """A batch sampler for ``DataLoader(ds, batch_sampler=...)`` that follows the split."""

@@ -137,9 +137,11 @@ def scale_loss(
     Args:
         loss: the mean loss over this rank's batch (``reduction="mean"``).
         count: what ``loss`` is a mean over on this rank: samples or tokens.
-            Default: the size of the batch ``sampler`` handed out last (right
-            with ``num_workers=0``; a DataLoader with workers draws ahead, so
-            pass ``count=len(batch)`` there).
+            Default: the size of the oldest batch ``sampler`` handed out that
+            no call has claimed yet (:meth:`~kaitian.DistributedSampler.claim_batch`):
+            right however far the loader draws ahead (workers, prefetching,
+            Accelerate), as long as every batch gets one call in the order
+            the loader yields them; otherwise pass ``count=len(batch)``.
         total: ``count`` summed over all ranks for the synchronised step.
             Default: exchanged here (a collective on every call; it also
             checks that all ranks are at the same step). With gradient
@@ -160,7 +162,7 @@ def scale_loss(
             "kaitian.scale_loss(loss) needs count= (this rank's samples or tokens in the loss) "
             "or sampler= (the kaitian.DistributedSampler the batch came from)"
         )
-    own = _as_float(sampler.last_batch_size if count is None else count)
+    own = _as_float(sampler.claim_batch().size if count is None else count)
     world = _world(group)
     if total is None:
         total = global_count(own, group, sampler)

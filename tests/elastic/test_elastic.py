@@ -77,15 +77,16 @@ def test_sigkill_in_forward_allreduce_and_optimizer_step_each_rejoins(tmp_path):
 
 def test_last_rank_of_a_vendor_then_all_but_one_lost_with_torch_ddp(tmp_path):
     """The only rank of cpu1 is lost, then another: the last survivor trains alone to the end
-    (no restarts left: the job of one goes on and succeeds). torch's DDP with scale_loss."""
+    (no restarts left: the job of one goes on and succeeds). torch's DDP with scale_loss, whose
+    count the trainer passes: 473 samples end each epoch with a short step of 41 (9 full steps)."""
     run = run_elastic(
         tmp_path,
         ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
         ["--ddp", "torch", "--fail", "forward@3:2", "--fail", "forward@8:1", "--fail-any-world",
-         "--degraded-sleep", "0"],
+         "--degraded-sleep", "0", "--samples", "473"],
     )
     assert run.returncode == 0, run.output[-6000:]
-    steps = check_exact(run, epochs=2, global_batch=GLOBAL_BATCH)
+    steps = check_exact(run, epochs=2, global_batch=GLOBAL_BATCH, samples=473)
     assert [r["split"] for r in steps[3]] == [[24, 24]] * 2  # cpu1 gone: cpu0's two ranks
     assert [r["split"] for r in steps[8]] == [[48]]  # then one rank holds the whole global batch
     assert {r["member"] for r in steps[-1]} == {run.member(0, 0)}

@@ -1,6 +1,6 @@
 """Reading what ``workers/elastic_train.py`` left, and the one-process replay it must match.
 
-The worker trains the examples' fp64 MLP on their dataset (480 samples)
+The worker trains the examples' fp64 MLP on their dataset (480 samples, or ``--samples``)
 with SGD + momentum; kaitian's sampler cuts epoch ``e`` from the permutation
 of ``seed + e`` into global batches of ``B``, whatever the split, so the
 sequence of global batches a run must have trained is known in advance.
@@ -79,16 +79,17 @@ def run_elastic(tmp_path, launcher_flags: List[str], worker_flags: List[str], ti
     return Run(proc.returncode, proc.stdout + proc.stderr, str(out))
 
 
-def expected_batches(epochs: int, global_batch: int, seed: int = 0) -> List[List[int]]:
+def expected_batches(epochs: int, global_batch: int, seed: int = 0, samples: int = DATASET) -> List[List[int]]:
     """The global batch of every step, in order (what one process must train on)."""
     out = []
     for epoch in range(epochs):
-        perm = torch.randperm(DATASET, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        out += [perm[i:i + global_batch] for i in range(0, DATASET, global_batch)]
+        perm = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        out += [perm[i:i + global_batch] for i in range(0, samples, global_batch)]
     return out
 
 
-def check_exact(run: Run, epochs: int, global_batch: int, lr: float = 0.1, momentum: float = 0.9) -> List[List[dict]]:
+def check_exact(run: Run, epochs: int, global_batch: int, lr: float = 0.1, momentum: float = 0.9,
+                samples: int = DATASET) -> List[List[dict]]:
     """Asserts the run trained each global batch once, in order, to one process's weights (fp64, 1e-9).
 
     Every step was applied by one generation (the same world and split in
@@ -100,7 +101,7 @@ def check_exact(run: Run, epochs: int, global_batch: int, lr: float = 0.1, momen
     Returns:
         Per applied step, the records of the members that logged it.
     """
-    batches = expected_batches(epochs, global_batch)
+    batches = expected_batches(epochs, global_batch, samples=samples)
     steps = run.steps()
     assert sorted(steps) == list(range(1, len(batches) + 1)), sorted(steps)
     records = []
@@ -118,14 +119,15 @@ def check_exact(run: Run, epochs: int, global_batch: int, lr: float = 0.1, momen
         else:
             assert set(union) <= set(batch) and len(union) == len(set(union)), applied
         records.append(recs)
-    assert_one_process_weights(os.path.join(run.out, "weights.json"), batches, lr, momentum)
+    assert_one_process_weights(os.path.join(run.out, "weights.json"), batches, lr, momentum, samples)
     return records
 
 
-def assert_one_process_weights(path: str, batches: List[List[int]], lr: float = 0.1, momentum: float = 0.9) -> None:
+def assert_one_process_weights(path: str, batches: List[List[int]], lr: float = 0.1, momentum: float = 0.9,
+                               samples: int = DATASET) -> None:
     """The weights saved at ``path`` are one process's after SGD on ``batches`` (fp64, 1e-9)."""
     common = examples_common()
-    x, y, _ = common.make_dataset().tensors
+    x, y, _ = common.make_dataset(samples).tensors
     reference = train_on_steps([batches], x, y, common.make_model(), lr, momentum)
     with open(path) as f:
         trained = json.load(f)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from support import REPO
 
-__all__ = ["examples_common", "replay_weights", "train_on_steps", "logged_batches", "max_difference"]
+__all__ = ["examples_common", "replay_weights", "train_on_steps", "logged_batches", "logged_micro_batches",
+           "max_difference"]
 
 
 def examples_common():
@@ -29,42 +30,57 @@ def examples_common():
 
 
 def replay_weights(log_dir: str, world: int, lr: float, momentum: float = 0.0,
-                   lightning_window=None) -> List[List[float]]:
+                   accumulation=None, samples: int = 480) -> List[List[float]]:
     """The weights after SGD on the union of the ranks' logged batches, step by step.
 
-    ``lightning_window=(micro_batch, accumulate)``: each step is what Lightning's
-    ``accumulate_grad_batches`` gives in one process on global micro-batches of
-    ``micro_batch`` samples: every micro-batch loss divided by ``accumulate``,
-    so a short last window of m micro-batches is the window mean times m / accumulate.
+    ``accumulation=k``: each step is what a trainer that divides every
+    micro-batch loss by ``k`` gives in one process (Lightning's
+    ``accumulate_grad_batches``, Accelerate's ``gradient_accumulation_steps``):
+    the sum over the step's micro-batches of each one's global mean, over ``k``.
+    Without it, each step is the mean over its whole window.
     """
     common = examples_common()
-    x, y, _ = common.make_dataset().tensors
-    logs = logged_batches(log_dir, world)
+    x, y, _ = common.make_dataset(samples).tensors
+    logs = logged_micro_batches(log_dir, world)
     assert len({len(log) for log in logs}) == 1, [len(log) for log in logs]
-    return train_on_steps(logs, x, y, common.make_model(), lr, momentum, lightning_window)
+    return train_on_steps(logs, x, y, common.make_model(), lr, momentum, accumulation)
 
 
-def logged_batches(log_dir: str, world: int) -> List[List[List[int]]]:
-    """Per rank, per step: the sample indices the run logged."""
+def logged_micro_batches(log_dir: str, world: int) -> List[List[List[List[int]]]]:
+    """Per rank, per step, per micro-batch: the sample indices the run logged."""
     logs = []
     for rank in range(world):
         with open(os.path.join(log_dir, f"rank-{rank}.jsonl"), encoding="utf-8") as f:
-            logs.append([json.loads(line) for line in f if line.strip()])
+            logs.append([_micro_batches(json.loads(line)) for line in f if line.strip()])
     return logs
 
 
-def train_on_steps(logs, x, y, model, lr, momentum=0.0, lightning_window=None):
-    """SGD on each step's union of the ranks' batches (``logs``: per rank, per step)."""
+def _micro_batches(step: list) -> List[List[int]]:
+    """A step as a list of micro-batches (a flat list of indices is one)."""
+    return step if step and isinstance(step[0], list) else [step]
+
+
+def logged_batches(log_dir: str, world: int) -> List[List[List[int]]]:
+    """Per rank, per step: the sample indices the run logged (its micro-batches in order)."""
+    return [[[i for micro in step for i in micro] for step in rank]
+            for rank in logged_micro_batches(log_dir, world)]
+
+
+def train_on_steps(logs, x, y, model, lr, momentum=0.0, accumulation=None):
+    """SGD on each step's union of the ranks' batches (``logs``: per rank, per step, per
+    micro-batch or flat; ``accumulation``: as in :func:`replay_weights`)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in zip(*logs):
-        union = [i for part in step for i in part]
-        scale = 1.0
-        if lightning_window is not None:
-            micro_batch, accumulate = lightning_window
-            assert len(union) % micro_batch == 0, (len(union), micro_batch)
-            scale = len(union) // micro_batch / accumulate
+        step = [_micro_batches(micros) for micros in step]
+        assert len({len(micros) for micros in step}) == 1, step  # every rank the same micro-batches
         opt.zero_grad()
-        (F.mse_loss(model(x[union]), y[union]) * scale).backward()
+        if accumulation is None:
+            union = [i for micros in step for micro in micros for i in micro]
+            F.mse_loss(model(x[union]), y[union]).backward()
+        else:
+            for micro in zip(*step):
+                union = [i for part in micro for i in part]
+                (F.mse_loss(model(x[union]), y[union]) / accumulation).backward()
         opt.step()
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 

@@ -1,10 +1,13 @@
-"""Lightning, Accelerate and the HF Trainer with kaitian under kaitianrun.
+"""Lightning, Accelerate, the HF Trainer and torch's DDP with scale_loss under kaitianrun.
 
 The examples, and scripts written as each trainer's users write them
 (trainer_scripts/), run with 2 ranks in 2 simulated vendor groups of different
-speed (backend kaitian) on a 3:1 split and log every rank's batches per
-optimizer step; one process then trains on the same global batches, and the
-weights must agree (fp64, 1e-9).
+speed (backend kaitian) and log every rank's batches per optimizer step; one
+process then trains on the same global batches, and the weights must agree
+(fp64, 1e-9). Most runs take a 5:1 split of 473 samples: 14 steps of [27, 5]
+and a short last one whose sizes are not in that ratio ([21, 4]), and a split
+change mid-epoch where the script builds its own sampler, so that a loss
+weighted by another batch's size (a loader that draws ahead) is caught.
 """
 
 import json
@@ -16,11 +19,14 @@ import pytest
 
 from kaitian.training.capability import write_config
 from support import REPO, repo_env
-from support.replay import logged_batches, max_difference, replay_weights
+from support.replay import logged_batches, logged_micro_batches, max_difference, replay_weights
 
 
 EXAMPLES = os.path.join(REPO, "examples")
 USER_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_scripts")
+# 5:1 of a global batch of 32 over 473 samples, re-split to [20, 12] from the 8th batch on
+UNEVEN = ["--capabilities", "5,1", "--samples", "473"]
+RESPLIT = ["--resplit", "7:20,12"]
 
 
 def _run_example(tmp_path, script, *args, timeout=240, folder=EXAMPLES):
@@ -42,28 +48,46 @@ def _run_example(tmp_path, script, *args, timeout=240, folder=EXAMPLES):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    sizes = [[len(json.loads(line)) for line in (logs / f"rank-{r}.jsonl").read_text().splitlines()]
-             for r in range(2)]
-    assert sizes[0][0] == 3 * sizes[1][0], sizes  # the 3:1 split, not re-sharded
     return json.loads(weights.read_text()), str(logs), out
+
+
+def _first_and_last_steps(logs):
+    """Per rank: the sizes of the first step and of the first epoch's short last step (the 15th)."""
+    steps = logged_batches(logs, 2)
+    return [len(steps[0][0]), len(steps[1][0])], [len(steps[0][14]), len(steps[1][14])]
 
 
 def test_lightning_strategy_matches_one_process(tmp_path):
     pytest.importorskip("lightning")
-    trained, logs, _ = _run_example(tmp_path, "lightning_train.py")
-    assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
+    trained, logs, _ = _run_example(tmp_path, "lightning_train.py", *UNEVEN)
+    first, last = _first_and_last_steps(logs)
+    assert first == [27, 5] and sum(last) == 25, (first, last)
+    assert max_difference(trained, replay_weights(logs, 2, lr=0.1, samples=473)) < 1e-9
 
 
 def test_accelerate_matches_one_process(tmp_path):
+    """The look-ahead of Accelerate's loader: each loss weighted by its own batch, not the next."""
     pytest.importorskip("accelerate")
-    trained, logs, _ = _run_example(tmp_path, "accelerate_train.py")
-    assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
+    trained, logs, _ = _run_example(tmp_path, "accelerate_train.py", *UNEVEN, *RESPLIT)
+    steps = logged_batches(logs, 2)
+    assert [[len(rank[s]) for rank in steps] for s in (0, 6, 7, 13, 14)] == [[27, 5]] * 2 + [[20, 12]] * 2 + [[16, 9]]
+    assert max_difference(trained, replay_weights(logs, 2, lr=0.1, samples=473)) < 1e-9
 
 
 def test_hf_trainer_matches_one_process(tmp_path):
     pytest.importorskip("transformers")
-    trained, logs, _ = _run_example(tmp_path, "hf_trainer_train.py")
-    assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
+    trained, logs, _ = _run_example(tmp_path, "hf_trainer_train.py", *UNEVEN)
+    first, last = _first_and_last_steps(logs)
+    assert first == [27, 5] and last == [21, 4], (first, last)
+    assert max_difference(trained, replay_weights(logs, 2, lr=0.1, samples=473)) < 1e-9
+
+
+def test_scale_loss_without_count_under_a_loader_with_workers(tmp_path):
+    """torch's DDP, scale_loss(loss, sampler=s) and DataLoader(num_workers=2), which draws ahead."""
+    trained, logs, _ = _run_example(tmp_path, "scale_loss_workers.py", *UNEVEN, *RESPLIT, folder=USER_SCRIPTS)
+    steps = logged_batches(logs, 2)
+    assert [[len(rank[s]) for rank in steps] for s in (6, 7, 14)] == [[27, 5], [20, 12], [16, 9]]
+    assert max_difference(trained, replay_weights(logs, 2, lr=0.1, samples=473)) < 1e-9
 
 
 def _every_sample_once_per_epoch(logs, epochs=2, n=480):
@@ -71,21 +95,27 @@ def _every_sample_once_per_epoch(logs, epochs=2, n=480):
     assert seen == sorted(list(range(n)) * epochs)
 
 
-def test_accelerate_accumulation_steps_at_the_loader_end_with_the_window_mean(tmp_path):
-    """A user's accumulate() loop with total= over 15 micro-batches an epoch: the steps
-    stock Accelerate takes (7 windows of 2, one of 1, per epoch) and each the window mean;
-    gather_for_metrics on kaitian's own loader (uneven batches, a padded last step) and
-    on a loader Accelerate shards gives every sample once, as without kaitian."""
+@pytest.mark.parametrize("mode", ["window", "micro"])
+def test_accelerate_accumulation_steps_at_the_loader_end(tmp_path, mode):
+    """A user's accumulate() loop over 15 micro-batches an epoch (the last one short, a split change
+    mid-epoch): the steps stock Accelerate takes (7 windows of 2, one of 1, per epoch), each the
+    window mean with total="window" (no batch drawn ahead), or what Accelerate gives in one
+    process without it; gather_for_metrics on kaitian's own loader (uneven batches, a padded last
+    step) and on a loader Accelerate shards gives every sample once, as without kaitian."""
     pytest.importorskip("accelerate")
-    trained, logs, out = _run_example(tmp_path, "accelerate_accumulate.py", folder=USER_SCRIPTS)
+    trained, logs, out = _run_example(tmp_path, "accelerate_accumulate.py", *UNEVEN, *RESPLIT, "--mode", mode,
+                                      folder=USER_SCRIPTS)
     for line in ("epoch 0 gathered each sample once: True", "epoch 1 gathered each sample once: True",
                  "evaluated each sample once: True", "padded loader gathered each sample once: True"):
         assert line in out, out[-3000:]
-    steps = logged_batches(logs, 2)
-    assert [len(rank) for rank in steps] == [16, 16]
-    assert [len(step) for step in steps[0][:8]] == [48] * 7 + [24]  # rank 0: 24 of 32 a micro-batch
-    _every_sample_once_per_epoch(logs)
-    assert max_difference(trained, replay_weights(logs, 2, lr=0.1)) < 1e-9
+    micros = logged_micro_batches(logs, 2)
+    assert [len(rank) for rank in micros] == [16, 16]
+    assert [[len(m) for m in step] for step in micros[0][:8]] == [[27, 27]] * 3 + [[27, 20]] + [[20, 20]] * 3 + [[16]]
+    _every_sample_once_per_epoch(logs, n=473)
+    replay = replay_weights(logs, 2, lr=0.1, samples=473, accumulation=None if mode == "window" else 2)
+    assert max_difference(trained, replay) < 1e-9
+    other = replay_weights(logs, 2, lr=0.1, samples=473, accumulation=2 if mode == "window" else None)
+    assert max_difference(trained, other) > 1e-6  # the two rules differ on these windows
 
 
 @pytest.mark.parametrize("package, accumulate", [("lightning", 1), ("pytorch_lightning", 5)])
@@ -101,7 +131,7 @@ def test_lightning_plain_dataloader_is_sharded_by_kaitian(tmp_path, package, acc
     windows = [min(accumulate, 12 - start) for start in range(0, 12, accumulate)] * 2
     assert [len(a) + len(b) for a, b in zip(*steps)] == [40 * w for w in windows]
     _every_sample_once_per_epoch(logs)
-    replay = replay_weights(logs, 2, lr=0.1, lightning_window=(40, accumulate))
+    replay = replay_weights(logs, 2, lr=0.1, accumulation=accumulate)
     assert max_difference(trained, replay) < 1e-9
 
 
@@ -179,8 +209,8 @@ def test_lightning_window_replay_is_lightning_in_one_process():
               logger=False, enable_checkpointing=False, enable_progress_bar=False,
               enable_model_summary=False).fit(module, DataLoader(dataset, batch_sampler=batches))
     lightning = [p.detach().reshape(-1).tolist() for p in module.net.parameters()]
-    steps = [[sum(batches[start:start + 5], []) for _ in range(2) for start in range(0, 12, 5)]]
+    steps = [[batches[start:start + 5] for _ in range(2) for start in range(0, 12, 5)]]
     x, y, _ = dataset.tensors
-    replay = train_on_steps(steps, x, y, common.make_model(), 0.1, 0.0, lightning_window=(40, 5))
+    replay = train_on_steps(steps, x, y, common.make_model(), 0.1, 0.0, accumulation=5)
     assert max_difference(lightning, replay) < 1e-9
     assert max_difference(lightning, train_on_steps(steps, x, y, common.make_model(), 0.1, 0.0)) > 1e-3

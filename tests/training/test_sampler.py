@@ -5,6 +5,7 @@ Pure Python: every rank's sampler is built in this process with explicit
 """
 
 import collections
+import itertools
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -258,3 +259,33 @@ def _rank0_first(n):
     it = s.epoch_batches()
     return [next(it) for _ in range(n)]
 
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 4])
+def test_losses_claim_the_batches_in_hand_out_order_however_far_the_loader_draws_ahead(ahead):
+    """A loader that draws ``ahead`` batches early (workers, Accelerate): each claim is the batch
+    being trained, across a split change mid-epoch and the short last step; a claim with none left
+    raises, and a new pass over the epoch starts with none."""
+    sampler = DistributedSampler(list(range(473)), batch_size=16, num_replicas=2, rank=1, capabilities=[5, 1])
+    sampler.set_epoch(0)
+    batches = sampler.batch_sampler()
+    it = iter(batches)
+    drawn = collections.deque([next(it)])
+    sampler.set_split([20, 12], after_draws=6)  # from the 8th batch on
+    drawn.extend(itertools.islice(it, ahead))
+    trained, claimed = [], []
+    while drawn:
+        trained.append(len(drawn.popleft()))
+        claimed.append(sampler.claim_batch())
+        drawn.extend(itertools.islice(it, 1))
+    assert trained == [5] * 7 + [12] * 7 + [9]
+    assert [c.size for c in claimed] == trained and [c.step for c in claimed] == list(range(15))
+    assert [sampler.step_samples(c.step) for c in claimed] == [32] * 14 + [25]
+    with pytest.raises(TrainingError, match="every batch it handed out this epoch is claimed already"):
+        sampler.claim_batch()
+    sampler.set_epoch(1)
+    next(iter(batches))
+    next(iter(batches))  # a pass abandoned after one batch, then a new one
+    assert sampler.claim_batch() == (0, 12)
+    with pytest.raises(TrainingError):
+        sampler.claim_batch()

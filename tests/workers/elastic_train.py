@@ -59,6 +59,7 @@ def main():
     p.add_argument("--timeout", type=float, default=4.0)
     p.add_argument("--quorum-timeout", type=float, default=3.0)
     p.add_argument("--rebalance", action="store_true")
+    p.add_argument("--samples", type=int, default=480, help="dataset size")
     p.add_argument("--ddp", default="kaitian")
     args = p.parse_args()
     member = os.environ["KAITIAN_ELASTIC_ID"]
@@ -112,7 +113,7 @@ def main():
         time.sleep(args.step_sleep)
         return F.mse_loss(model(x), y)
 
-    dataset = make_dataset()
+    dataset = make_dataset(args.samples)
     net = make_model()
     opt = SGD(net.parameters(), lr=0.1, momentum=0.9)
     trainer = Trainer(

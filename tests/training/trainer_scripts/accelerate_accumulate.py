@@ -1,12 +1,15 @@
 """An Accelerate user's accumulation loop, with kaitian's Accelerator and sampler.
 
-15 micro-batches an epoch and gradient_accumulation_steps=2: stock Accelerate
-steps at micro-batches 2, 4, ..., 14 and at the end of the loader (a window
-of one). ``total=`` is the window's global sample count, so every step is the
-exact mean over its window. Every micro-batch's indices are gathered with
-gather_for_metrics (the ranks' batches differ: 24 and 8). Then an evaluation
-loop with gather_for_metrics over a loader Accelerate shards, and one over a
-kaitian loader of 33 samples whose last step is padded.
+473 samples, a global batch of 32 (15 micro-batches an epoch, the last one of
+25) and gradient_accumulation_steps=2: stock Accelerate steps at micro-batches
+2, 4, ..., 14 and at the end of the loader (a window of one). ``--resplit``
+changes the split mid-epoch. ``--mode window``: ``backward(loss,
+total="window")``, every step is the exact mean over its window; ``--mode
+micro``: ``backward(loss)``, every micro-batch is its own global mean divided
+by the steps, as Accelerate does in one process. Every micro-batch's indices
+are gathered with gather_for_metrics (the ranks' batches differ). Then an
+evaluation loop with gather_for_metrics over a loader Accelerate shards, and
+one over a kaitian loader of 33 samples whose last step is padded.
 """
 
 import sys
@@ -17,27 +20,28 @@ from torch.utils.data import DataLoader, Subset
 
 import kaitian
 from kaitian.accelerate import Accelerator
-from common import BatchLog, make_dataset, make_model, parse_args, save_weights, shut_down
+from common import BatchLog, make_dataset, make_model, parse_args, save_weights, schedule_resplit, shut_down
 
 args = parse_args(__doc__)
+mode = sys.argv[sys.argv.index("--mode") + 1]
 accelerator = Accelerator(gradient_accumulation_steps=2)
-dataset = make_dataset()
+dataset = make_dataset(args.samples)
 sampler = kaitian.DistributedSampler(dataset, batch_size=16, capabilities=args.capabilities)
 loader = DataLoader(dataset, batch_sampler=sampler.batch_sampler())
 model = make_model()
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 log = BatchLog(args.log_batches, accelerator.process_index)
-steps = accelerator.gradient_accumulation_steps
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
     trained_on = []
-    for i, (x, y, index) in enumerate(loader):
-        window = min(steps, len(loader) - i // steps * steps)  # micro-batches in this window
+    for step, (x, y, index) in enumerate(loader):
+        if epoch == step == 0:
+            schedule_resplit(sampler, args)
         with accelerator.accumulate(model):
             log.add(index)
-            total = kaitian.global_count(len(x)) * window
-            accelerator.backward(F.mse_loss(model(x), y), count=len(x), total=total)
+            loss = F.mse_loss(model(x), y)
+            accelerator.backward(loss, total="window") if mode == "window" else accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
         trained_on.append(accelerator.gather_for_metrics(index))
@@ -47,7 +51,7 @@ for epoch in range(args.epochs):
         print(f"epoch {epoch} gathered each sample once:",
               sorted(torch.cat(trained_on).tolist()) == list(range(len(dataset))), flush=True)
 # evaluation as Accelerate users write it: a plain loader, sharded by Accelerate
-# (480 samples in batches of 50 per rank: the last ones padded, then cut off again)
+# (batches of 50 per rank: the last ones padded, then cut off again)
 evaluation = accelerator.prepare(DataLoader(dataset, batch_size=50))
 seen = torch.cat([accelerator.gather_for_metrics(index) for _, _, index in evaluation])
 # a kaitian loader whose last step is padded (33 samples, a global batch of 32: one repeated)
