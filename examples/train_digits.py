@@ -98,12 +98,14 @@ def main(argv=None) -> int:
     train_set, test_set = load_digits_split(args.seed)
     sampler = kaitian.DistributedSampler(train_set, batch_size=args.batch_size, seed=args.seed)
     model = kaitian.DistributedDataParallel(make_model(args.hidden).to(device), sampler=sampler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     if not args.no_rebalance:
         every = args.rebalance_every
-        kaitian.Rebalancer(sampler, model, every=int(every) if every not in (None, "epoch") else every)
+        # with the optimizer, a rank whose step does not pay is benched (a hot spare)
+        kaitian.Rebalancer(sampler, model, every=int(every) if every not in (None, "epoch") else every,
+                           optimizer=optimizer)
     # batch_sampler= follows the split when the re-balancer changes it.
     loader = DataLoader(train_set, batch_sampler=sampler.batch_sampler())
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     if rank == 0:
         print(f"kaitian digits: {world} ranks in groups {groups}, backend {args.backend}, "
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
             parts = []
             for name in dict.fromkeys(groups):
                 members = [r for r in range(world) if groups[r] == name]
-                batch = "+".join(str(int(stats[r][0])) for r in members)
+                batch = "+".join(str(int(stats[r][0])) if stats[r][0] else "benched" for r in members)
                 rate = sum(stats[r][1] for r in members) / epoch_time
                 parts.append(f"{name}: batch {batch:>7} {rate:7.0f}/s")
             total = sum(s[1] for s in stats) / epoch_time

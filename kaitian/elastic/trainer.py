@@ -164,6 +164,9 @@ class Trainer:
         self._ddp_kwargs = dict(ddp_kwargs or {})
         self._comm_hook = comm_hook
         self._rebalance_args = None if not rebalance else ({} if rebalance is True else dict(rebalance))
+        if self._rebalance_args and {"optimizer", "state"} & set(self._rebalance_args):
+            raise ValueError("kaitian.elastic.Trainer re-forms its group itself: its re-balancer does not bench "
+                             "ranks (drop optimizer= and state= from rebalance)")
         self.stateful = dict(stateful or {})
         self.timeout = float(timeout)
         self.quorum_timeout = float(quorum_timeout)

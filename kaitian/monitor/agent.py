@@ -143,18 +143,20 @@ class AgentMonitor:
 
     def _load(self):
         steps: Dict[int, List[dict]] = {}
-        rounds: List[dict] = []
+        rounds: Dict[tuple, dict] = {}
         for name in sorted(os.listdir(self.out_dir)):
             m = re.fullmatch(r"rank-(\d+)\.jsonl", name)
             if m:
                 records = read_jsonl(os.path.join(self.out_dir, name))
                 steps[int(m.group(1))] = [r for r in records if r.get("kind", "step") == "step"]
-                if int(m.group(1)) == 0:  # every rank records the same rounds
-                    rounds = [r for r in records if r.get("kind") == "rebalance"]
+                # every rank of a round records it (a benched rank takes part in the epoch starts only)
+                for r in records:
+                    if r.get("kind") == "rebalance":
+                        rounds.setdefault((r["step"], tuple(r["old"]), tuple(r["new"])), r)
         util: Dict[int, List[dict]] = {}
         for rec in read_jsonl(os.path.join(self.out_dir, UTILISATION_FILE)):
             util.setdefault(int(rec["rank"]), []).append(rec)
-        return steps, util, rounds
+        return steps, util, sorted(rounds.values(), key=lambda r: r["time"])
 
     def report(self) -> str:
         """Writes ``summary.txt`` and ``monitor.png`` in ``out_dir``; returns the summary table."""
@@ -165,6 +167,7 @@ class AgentMonitor:
                 "STEP MS", "COMPUTE MS", "COMM MS", "WAIT MS", "WAIT %", "CPU %", "DEV UTIL %")
         rows = [head]
         total_rate = 0.0
+        benched = [r for r, n in enumerate(rounds[-1]["new"]) if n == 0] if rounds else []
         for rank in ranks:
             recs = steps.get(rank, [])
             ut = util.get(rank, [])
@@ -183,7 +186,7 @@ class AgentMonitor:
             rows.append((
                 str(rank), device, (recs[-1].get("group", "-") if recs else "-"),
                 str(n), str(samples),
-                str(recs[-1]["samples"]) if n else "-",
+                "benched" if rank in benched else (str(_full_step_batch(recs)) if n else "-"),
                 f"{rate:.1f}",
                 per_step(step_s), per_step(compute_s), per_step(comm_s), per_step(wait_s),
                 f"{100 * wait_s / step_s:.1f}" if step_s > 0 else "-",
@@ -197,8 +200,13 @@ class AgentMonitor:
         if rounds:
             table += (f"; {len(rounds)} re-balancing round(s), {len(applied)} changed the split"
                       + (f" (last: {applied[-1]['new']} at step {applied[-1]['step']})" if applied else ""))
-        table += ("\nBATCH: the last step's; COMM: the allreduce itself (the step's fastest rank); "
-                  "WAIT: time waiting for slower ranks")
+        if rounds and rounds[-1].get("predicted_s"):
+            last = rounds[-1]
+            table += (f"\nlast round: predicted step {1000 * last['predicted_s']:.1f} ms, measured "
+                      f"{1000 * last.get('measured_s', 0.0):.1f} ms"
+                      + (f"; benched (hot spares): rank {', '.join(map(str, benched))}" if benched else ""))
+        table += ("\nBATCH: a full step's (benched: none, a hot spare); COMM: the allreduce itself "
+                  "(the step's fastest rank); WAIT: time waiting for slower ranks")
         with open(os.path.join(self.out_dir, "summary.txt"), "w", encoding="utf-8") as f:
             f.write(table + "\n")
         try:
@@ -257,6 +265,16 @@ class AgentMonitor:
                 ax.axvline(x, color="grey", lw=0.8, ls="-" if r.get("applied") else ":", alpha=0.7)
         if rounds:
             axes[1].plot([], [], color="grey", lw=0.8, label="re-balance (solid: split changed)")
+            for i, rank in enumerate(sorted(steps)):  # benched ranks: at zero from the round that benched them
+                out = [(r["time"] - t0, 0) for r in rounds if rank < len(r["new"]) and r["new"][rank] == 0]
+                if out:
+                    axes[1].plot(*zip(*out), "x", color=colours[i % len(colours)], label=f"rank {rank} benched")
+            predicted = [(r["time"] - t0, 1000 * r["predicted_s"], 1000 * r.get("measured_s", 0.0))
+                         for r in rounds if r.get("predicted_s")]
+            if predicted:
+                t, p, m = zip(*predicted)
+                axes[2].plot(t, p, "v", color="black", label="step: predicted (at a round)")
+                axes[2].plot(t, m, "^", color="grey", label="step: measured (before it)")
         for i, (rank, recs) in enumerate(sorted(util.items())):
             colour = colours[i % len(colours)]
             t = [u["time"] - t0 for u in recs]
@@ -306,6 +324,12 @@ def split_wait(steps: Dict[int, List[dict]]) -> Dict[int, List[Tuple[float, floa
             (by_step[r["step"]], r["comm_s"] - by_step[r["step"]] + r.get("wait_s", 0.0)) for r in recs
         ]
     return out
+
+
+def _full_step_batch(recs: List[dict]) -> int:
+    """A rank's batch in its last full step (an epoch's short last step is not the split)."""
+    full = max(r.get("global_samples", 0) for r in recs)
+    return next((r["samples"] for r in reversed(recs) if r.get("global_samples", 0) == full), recs[-1]["samples"])
 
 
 def _smooth(values: List[float], alpha: float = 0.2) -> List[float]:

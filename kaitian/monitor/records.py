@@ -71,7 +71,9 @@ class StepRecorder:
         self._add({
             "rank": self.rank, "kind": "rebalance", "time": time.time(), "step": decision.step,
             "old": decision.old, "new": decision.new, "applied": decision.applied,
-            "per_sample_s": decision.per_sample_s,
+            "per_sample_s": decision.per_sample_s, "fixed_s": decision.fixed_s,
+            "exchange_s": decision.exchange_s, "predicted_s": decision.predicted_s,
+            "measured_s": decision.measured_s,
         })
 
     def flush(self) -> None:

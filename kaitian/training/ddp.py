@@ -212,8 +212,10 @@ class DistributedDataParallel(_TorchDDP):
         self._kt_hook_registered = False
         # Backends that average in their reduction pass; others get torch's divide-then-sum.
         self._kt_avg_op = dist.get_backend(self.process_group) in _AVERAGING_BACKENDS
+        self.training_group = self.process_group  # the ranks that train (train_in)
         self._kt_step_listeners = Listeners(weak=False)  # the model keeps its helpers alive
         self._kt_before_step = Listeners(weak=False)
+        self._kt_step_ends = Listeners(weak=False)
         self._kt_vote: Optional[Callable[[], bool]] = None
         self._kt_clock = StepClock(self.device)
         self._kt_recorder = recorder_for_this_rank()
@@ -253,6 +255,37 @@ class DistributedDataParallel(_TorchDDP):
         if has_batch_norm(self.module):
             sampler.require_min_batch_size(2)
 
+    def bench_blocker(self) -> Optional[str]:
+        """Why a rank of this model cannot leave the gradient exchange (be benched), or ``None``.
+
+        A benched rank leaves every per-step collective; a user's communication hook
+        or a built-in one reduces over the whole group, and so does DDP's buffer broadcast.
+        """
+        if self._kt_user_hook is not None or self._kt_builtin_hook is not None:
+            return "a communication hook is registered (it reduces over every rank)"
+        if self.broadcast_buffers and any(True for _ in self.module.buffers()):
+            return "the model has buffers that DDP broadcasts every step (pass broadcast_buffers=False)"
+        return None
+
+    def train_in(self, group: dist.ProcessGroup) -> None:
+        """Exchanges gradients and counts among ``group`` only, a subgroup of the model's process group
+        holding every rank with samples (the others are benched: they run no step); call it on those
+        ranks between steps.
+
+        Raises:
+            TrainingError: :meth:`bench_blocker` names why this model cannot.
+        """
+        if group is not self.process_group:
+            blocker = self.bench_blocker()
+            if blocker is not None:
+                raise TrainingError(f"kaitian.DistributedDataParallel cannot train in a subgroup: {blocker}")
+        self.training_group = group
+        self._kt_avg_op = dist.get_backend(group) in _AVERAGING_BACKENDS
+        # The scale reference must be the same on every member: ranks that come back from
+        # the bench hold the one of their last step.
+        batch = self._kt_sampler.global_batch_size if self._kt_sampler is not None else group.size()
+        self._kt_state.ref = batch / group.size()
+
     def add_step_listener(self, callback: Callable[[StepTiming], None]) -> None:
         """Calls ``callback(timing)`` after each synchronised step (the model holds ``callback``)."""
         self._kt_step_listeners.add(callback)
@@ -261,6 +294,11 @@ class DistributedDataParallel(_TorchDDP):
         """Rank 0's ``vote()`` travels with each step's count exchange; the next
         step's before-step callbacks get ``round_requested=True`` on every rank."""
         self._kt_vote = vote
+
+    def add_step_end(self, callback: Callable[[int, int], None]) -> None:
+        """Calls ``callback(global_samples, micro_batches)`` as each synchronised step's backward ends (at once:
+        :meth:`add_step_listener`'s timings may come a step later on a device)."""
+        self._kt_step_ends.add(callback)
 
     def add_before_step(self, callback: Callable[[int, bool], None]) -> None:
         """Calls ``callback(step, round_requested)`` before each synchronised forward.
@@ -353,10 +391,10 @@ class DistributedDataParallel(_TorchDDP):
         if not record.sync:
             return
         tag = self._kt_check.next_tag(self._kt_sampler)
-        vote = self._kt_vote() if self._kt_vote is not None and self.process_group.rank() == 0 else 0
+        vote = self._kt_vote() if self._kt_vote is not None and self.training_group.rank() == 0 else 0
         # int64: exact on every vendor (CNCL would round float64 to float32)
         st.counts = gather_per_rank([st.samples, st.micro, *tag, int(bool(vote))],
-                                    self.process_group, self.device, dtype=torch.int64, async_op=True)
+                                    self.training_group, self.device, dtype=torch.int64, async_op=True)
         st.totals = None
         ddp_ref = weakref.ref(self)
 
@@ -427,11 +465,13 @@ class DistributedDataParallel(_TorchDDP):
         ended = self._kt_clock.finish((timing, st.wait_in_compute))
         st.last_end = now
         st.step += 1
-        st.ref = total / (self.process_group.size() * max(1, st.micro))
+        micro = max(1, st.micro)
+        st.ref = total / (self.training_group.size() * micro)
         st.first_forward = None
         st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
         st.wait = st.wait_in_compute = 0.0
         self._kt_emit(ended)
+        self._kt_step_ends(int(round(total)), micro)
 
     def _kt_emit(self, ended) -> None:
         """Completes the clock's ended steps with their times and hands them out."""
@@ -457,7 +497,7 @@ def _on_output_grad(ddp_ref: "weakref.ref", record: _Forward, grad: torch.Tensor
 def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as real types
     """Comm hook: the mean across ranks (torch's or the user's), then the global correction."""
     ddp = ddp_ref()
-    group = ddp.process_group
+    group = ddp.training_group
     if ddp._kt_user_hook is None:
         buffer = bucket.buffer()
         if ddp._kt_avg_op:

@@ -1,37 +1,51 @@
-"""Online re-balancing: move samples from slow ranks to fast ones while training.
+"""Online re-balancing: who trains and how many samples each, from measured step costs.
 
 The static split comes from ``kaitian init``'s benchmark, which may not match
 the real model (or the machine may be busy, or get busy mid-run).
-:class:`Rebalancer` watches each rank's measured *time per sample*: by default
-its busy time per step (the step minus every collective wait: the gradient
-allreduce, DDP's buffer broadcast, the re-balancing rounds themselves), or
-forward + backward only (``measure="compute"``); device time on accelerators
-(:mod:`kaitian.training.clock`). It smooths it with an exponential moving
-average and, every ``every`` steps or ``seconds`` seconds (whichever comes
-first; rank 0's clock decides, through the step's count exchange, so all
-ranks agree), splits the global batch in proportion to each rank's speed,
-capped by each rank's maximum batch. All ranks exchange their measurements
-and compute the same new split from bit-identical inputs.
+:class:`Rebalancer` fits each rank's step cost ``t = a + b * n`` from its
+measured steps (:mod:`kaitian.training.stepcost`): by default its busy time
+per step (the step minus every collective wait: the gradient allreduce, DDP's
+buffer broadcast, the re-balancing rounds themselves), or forward + backward
+only (``measure="compute"``); device time on accelerators
+(:mod:`kaitian.training.clock`). Every ``every`` steps or ``seconds`` seconds
+(whichever comes first; rank 0's clock decides, through the step's count
+exchange, so all ranks agree) the ranks exchange their fits and compute the
+same new split from bit-identical inputs: the one with the smallest
+predicted step, gradient exchange included.
+
+Given the optimizer, it also decides who trains: at each epoch start every
+rank meets, and a rank whose step does not pay (its fixed cost, or the
+exchange it adds, outweighs the samples it would take) is *benched* for the
+epoch: it gets no batch, and the others exchange gradients among themselves
+(:meth:`kaitian.DistributedDataParallel.train_in`), so it holds nobody up. It
+stays a hot spare: at the end of each epoch it receives the model, the
+optimizer's state and ``state=`` objects from the first training rank, and
+it is called back at an epoch start when the model predicts that it pays.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+import weakref
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import torch
 import torch.distributed as dist
 
-from kaitian.errors import SplitError
+from kaitian.errors import SplitError, TrainingError
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.sampler import DistributedSampler
-from kaitian.training.split import plan_split
+from kaitian.training.stepcost import StepCost, StepCostFit, solve_split
 
 __all__ = ["Rebalancer", "RebalanceDecision", "DEFAULT_EVERY", "DEFAULT_SECONDS"]
 
 DEFAULT_EVERY = 25  # steps between re-balancing rounds ...
 DEFAULT_SECONDS = 10.0  # ... or seconds, whichever comes first
+_FIRST_ROUND = 4  # ... and a first round after this many steps: start-up converges fast
 
 _log = logging.getLogger(__name__)
 
@@ -43,10 +57,15 @@ class RebalanceDecision:
     Attributes:
         step: synchronised steps done when it was decided.
         epoch: the sampler's epoch at that point.
-        per_sample_s: smoothed compute seconds per sample, per rank.
+        per_sample_s: each rank's fitted seconds per sample (``b``).
         old: the split before.
-        new: the split after (equal to ``old`` when it was not worth changing).
+        new: the split after (equal to ``old`` when it was not worth changing;
+            zeros: benched ranks).
         applied: whether ``new`` was handed to the sampler.
+        fixed_s: each rank's fitted fixed seconds per step (``a``).
+        exchange_s: the gradient exchange's time used in the prediction.
+        predicted_s: the predicted step time of ``new``.
+        measured_s: the mean step time measured since the last round (this rank's clock).
     """
 
     step: int
@@ -55,16 +74,21 @@ class RebalanceDecision:
     old: List[int]
     new: List[int]
     applied: bool
+    fixed_s: List[float] = field(default_factory=list)
+    exchange_s: float = 0.0
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
 
 
 class Rebalancer:
-    """Re-splits a :class:`kaitian.DistributedSampler` from measured compute speed.
+    """Re-splits a :class:`kaitian.DistributedSampler` from measured step costs.
 
-    Create it on every rank after the sampler and the model::
+    Create it on every rank after the sampler, the model and the optimizer::
 
         sampler = kaitian.DistributedSampler(ds, batch_size=64)
         model = kaitian.DistributedDataParallel(net)
-        kaitian.Rebalancer(sampler, model)      # every 25 steps or 10 s
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        kaitian.Rebalancer(sampler, model, optimizer=optimizer)   # every 25 steps or 10 s
         loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
 
     Args:
@@ -80,12 +104,13 @@ class Rebalancer:
         seconds: also start a round when this many seconds passed since the
             last one (default :data:`DEFAULT_SECONDS`; ``0`` = off). Rank 0's
             clock decides.
-        smoothing: EMA weight of the newest measurement (1 = no smoothing).
+        smoothing: weight of the newest fit against the previous round's (default 1: the
+            newest alone; each fit already spans the rank's last 48 steps).
         max_batch_size: this rank's largest batch (an int; ranks may pass
             different values, e.g. from their device memory), or a sequence
             with one entry per rank. ``None`` = no cap.
-        min_gain: change the split only if the slowest rank's predicted compute
-            time drops by more than this fraction.
+        min_gain: change the split only if the predicted step time drops by
+            more than this fraction.
         warmup_steps: steps ignored after each split change (allocator and
             cache warm-up distort them) and at the start of each epoch.
         measure: ``"busy"`` (default): a rank's time per step minus all its
@@ -93,6 +118,12 @@ class Rebalancer:
             the rank's whole share of the step; ``"compute"``: forward +
             backward only.
         group: the process group (default: the model's).
+        optimizer: the optimizer stepping the model. Given, ranks whose step
+            does not pay are benched at epoch starts (see the module
+            docstring); a benched rank receives its state at each epoch's end.
+        state: more objects with ``state_dict()`` / ``load_state_dict()`` that
+            change with the steps (LR schedulers stepped per batch, counters):
+            a benched rank receives them with the optimizer's.
 
     Raises:
         TypeError: ``model`` is not a :class:`kaitian.DistributedDataParallel`.
@@ -105,12 +136,14 @@ class Rebalancer:
         model,
         every: Union[int, str, None] = None,
         seconds: Optional[float] = None,
-        smoothing: float = 0.5,
+        smoothing: float = 1.0,
         max_batch_size: Optional[Union[int, Sequence[Optional[int]]]] = None,
         min_gain: float = 0.03,
         warmup_steps: int = 1,
         measure: str = "busy",
         group: Optional[dist.ProcessGroup] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        state: Sequence[Any] = (),
     ) -> None:
         from kaitian.training.ddp import DistributedDataParallel
 
@@ -136,15 +169,33 @@ class Rebalancer:
         self.warmup_steps = int(warmup_steps)
         self.measure = measure
         self.world = sampler.num_replicas
+        self.optimizer = optimizer
+        self.state = list(state)
         self._own_cap, self._caps = self._parse_caps(max_batch_size)
-        self._ema: Optional[float] = None
-        self._window_compute = 0.0
-        self._window_samples = 0
+        self._fit = StepCostFit()
+        self._cost: Optional[StepCost] = None  # this rank's smoothed fit
+        self._comm = [0.0, 0]  # communication seconds and steps since the last round
+        self._busy = [0.0, 0]  # step seconds and steps since the last round (the measured step)
+        self._exchange_s = 0.0  # the last measured exchange of more than one training rank
         self._skip = self.warmup_steps
         self._step = 0
+        self._steps_done = 0  # synchronised steps this rank took part in
+        self._epoch_steps = 0  # ... in this epoch's pass
+        self._one_micro = True  # every step so far was one batch (no accumulation)
+        self._ddp_step = 0
+        self._switch: Optional[Tuple[int, List[int]]] = None  # (step, ranks): the trainers' next group
+        self._epoch_samples = 0  # global samples trained in this epoch's pass
+        self._sync_due = False
         self._last_round = time.monotonic()
+        self._groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
         self.history: List[RebalanceDecision] = []
         self._attach(model, group)
+        self._vendor_groups = self._exchange_vendor_groups()
+        self.bench_blocker = model.bench_blocker() if optimizer is not None else "no optimizer given"
+        if optimizer is not None and self.bench_blocker is None:
+            sampler._schedule.benching = True
+            optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
+            sampler.add_spare_hook(self._serve_as_spare)
         sampler.add_split_listener(self._on_split_change)
         sampler.add_epoch_hook(self._on_epoch)
 
@@ -152,32 +203,42 @@ class Rebalancer:
         """Measures ``model``'s steps and runs the rounds in its process group; ``model`` trains on the sampler."""
         model.use_sampler(self.sampler)
         self._device = model.device
-        self.group = group if group is not None else model.process_group
+        self.world_group = group if group is not None else model.process_group
+        self._model_ref = weakref.ref(model)
         self._recorder = model.recorder
         # The model keeps the re-balancer alive through its listeners; the
         # re-balancer holds no reference to the model (no cycle to outlive the
         # process group).
         model.add_step_listener(self._on_step)
+        model.add_step_end(self._on_step_end)
         if self.every is not None:
             model.add_before_step(self._on_before_step)
             if self.seconds > 0:
                 model.set_round_vote(self._time_for_round)
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group of the training ranks (the rounds within an epoch run there)."""
+        model = self._model_ref()
+        return model.training_group if model is not None else self.world_group
+
     def rebind(self, model) -> None:
         """Follows a re-formed job (:mod:`kaitian.elastic`): ``model`` is the new
         :class:`kaitian.DistributedDataParallel`, the sampler already has the new world.
 
-        This rank's smoothed measurement and the history are kept; a per-rank
-        list of ``max_batch_size`` no longer matches the ranks and is dropped.
+        This rank's fit and the history are kept; a per-rank list of
+        ``max_batch_size`` no longer matches the ranks and is dropped.
         """
         self.world = self.sampler.num_replicas
         if self._caps is not None and len(self._caps) != self.world:
             _log.warning("re-balancer: the per-rank max_batch_size list does not match the new world; dropped")
             self._caps = None
-        self._window_compute, self._window_samples = 0.0, 0
+        self._comm, self._busy = [0.0, 0], [0.0, 0]
         self._skip = self.warmup_steps
         self._step = 0
+        self._groups = {}
         self._attach(model)
+        self._vendor_groups = self._exchange_vendor_groups()
 
     def _parse_caps(self, max_batch_size):
         if max_batch_size is None:
@@ -191,6 +252,14 @@ class Rebalancer:
             raise ValueError(f"max_batch_size has {len(caps)} entries for {self.world} ranks")
         return None, caps
 
+    def _exchange_vendor_groups(self) -> List[str]:
+        """Every rank's vendor group (``KAITIAN_GROUP``, else its device type), as a stable id."""
+        from kaitian.settings import settings
+
+        name = settings().group or self._device.type
+        ids = [int(row[0]) for row in gather_per_rank([zlib.crc32(name.encode())], self.world_group, self._device)]
+        return [f"group-{i}" for i in ids]
+
     # -- measurements ----------------------------------------------------------------
 
     def _on_step(self, timing) -> None:
@@ -203,8 +272,21 @@ class Rebalancer:
         else:
             spent = timing.step_s - timing.comm_s - timing.wait_s
         if timing.samples > 0 and spent > 0:
-            self._window_compute += spent
-            self._window_samples += timing.samples
+            self._fit.add(timing.samples, spent)
+            self._comm[0] += timing.comm_s
+            self._comm[1] += 1
+            self._busy[0] += timing.step_s - timing.wait_s
+            self._busy[1] += 1
+
+    def _on_step_end(self, global_samples: int, micro_batches: int) -> None:
+        """Each synchronised step as it ends (timings may come a step later, on a device)."""
+        self._steps_done += 1
+        self._epoch_steps += 1
+        self._one_micro = self._one_micro and micro_batches == 1
+        self._epoch_samples += global_samples
+        if self.sampler.num_replicas > self.sampler.split.count(0) > 0:
+            epoch_total = self.sampler.total_size - self.sampler.first_step * self.sampler.global_batch_size
+            self._sync_due = self._epoch_samples >= epoch_total  # the epoch's last step: spares wait
 
     def _on_split_change(self, old, new) -> None:
         # Batches of the old size may still be in flight when a mid-epoch change
@@ -213,8 +295,13 @@ class Rebalancer:
 
     @property
     def per_sample_s(self) -> Optional[float]:
-        """This rank's smoothed compute seconds per sample, ``None`` before any measurement."""
-        return self._ema
+        """This rank's fitted seconds per sample, ``None`` before any measurement."""
+        return self._cost.per_sample_s if self._cost is not None else None
+
+    @property
+    def step_cost(self) -> Optional[StepCost]:
+        """This rank's fitted step cost (``a + b n``), ``None`` before any measurement."""
+        return self._cost
 
     # -- triggers ---------------------------------------------------------------------
 
@@ -222,93 +309,288 @@ class Rebalancer:
         """Rank 0's vote, carried by the step's count exchange."""
         return time.monotonic() - self._last_round >= self.seconds
 
+    def _ahead(self) -> int:
+        """Batches this rank's loader has drawn beyond the one being trained."""
+        return self.sampler.state_dict()["step"] - (self.sampler.first_step + self._epoch_steps + 1)
+
     def _on_epoch(self, epoch: int) -> None:
-        if self.every is None and self._step > 0:
+        self._epoch_samples, self._epoch_steps, self._sync_due = 0, 0, False
+        if self.sampler._schedule.benching and self._steps_done >= 2:
+            # every rank meets: who trains this epoch (after two steps, when torch's DDP
+            # has rebuilt its buckets, a collective of the whole group)
+            self.rebalance(after_draws=None, everyone=True)
+        elif self.every is None and self._steps_done > 0:
             self.rebalance(after_draws=None)
         # The first step of an epoch also times what ran between epochs.
         self._skip = max(self._skip, self.warmup_steps)
 
     def _on_before_step(self, step: int, round_requested: bool = False) -> None:
-        if step > 0 and (step % self.every == 0 or round_requested):
+        self._ddp_step = step
+        if self._switch is not None and step >= self._switch[0]:
+            self._train_in(self._switch[1])
+            self._switch = None
+        first = step == _FIRST_ROUND and not self.history
+        if step > 0 and (step % self.every == 0 or round_requested or first):
             self.rebalance(after_draws=0)
 
     # -- the round --------------------------------------------------------------------
 
-    def rebalance(self, after_draws: Optional[int] = None) -> RebalanceDecision:
-        """One re-balancing round; a collective, call it on every rank at the same point.
+    def rebalance(self, after_draws: Optional[int] = None, everyone: bool = False) -> RebalanceDecision:
+        """One re-balancing round; a collective, call it on every training rank at the same point.
 
-        Called for you every ``every`` steps / ``seconds`` seconds, or from
-        ``set_epoch`` with ``every="epoch"``. A round without new measurements
-        on some rank keeps the split.
+        Called for you every ``every`` steps / ``seconds`` seconds among the
+        training ranks, and at each epoch start on every rank when benching
+        (``everyone``: the only round that benches or calls back a rank). A
+        round without measurements on some training rank keeps the split.
 
         Args:
             after_draws: passed to :meth:`DistributedSampler.set_split`.
+            everyone: a round of every rank, benched ones included.
 
         Returns:
             The decision, also appended to :attr:`history`.
         """
         self._last_round = time.monotonic()
-        fresh = self._window_samples > 0
-        if fresh:
-            measured = self._window_compute / self._window_samples
-            self._ema = (
-                measured if self._ema is None
-                else self.smoothing * measured + (1.0 - self.smoothing) * self._ema
-            )
-            self._window_compute, self._window_samples = 0.0, 0
-        per_sample, caps = self._exchange()
+        fit = self._fit.cost() if self._fit.points else None
+        if fit is not None:
+            old_cost = self._cost
+            self._cost = fit if old_cost is None else StepCost(
+                self.smoothing * fit.fixed_s + (1 - self.smoothing) * old_cost.fixed_s,
+                self.smoothing * fit.per_sample_s + (1 - self.smoothing) * old_cost.per_sample_s)
         old = self.sampler.split
-        new, applied = list(old), False
-        if all(t > 0 for t in per_sample):
+        training = [r for r, n in enumerate(old) if n > 0]
+        ranks = list(range(self.world)) if everyone else training
+        costs, comm, caps, measured, ahead = self._exchange(ranks, everyone)
+        if comm is not None and len(training) > 1:
+            self._exchange_s = comm
+        # Benching: at an epoch start, or between steps of whole batches (the lead of the
+        # loaders that draw ahead is known); calling back only at an epoch start.
+        bench = self.sampler._schedule.benching and self._steps_done >= 2 and (
+            everyone or (after_draws == 0 and self._one_micro))
+        new, applied, predicted = list(old), False, 0.0
+        if all(costs[r].known for r in training):
             try:
-                new = plan_split(self.sampler.global_batch_size, per_sample, old, caps,
-                                 self.min_gain, self.sampler.min_batch_size)
+                decision = solve_split(
+                    self.sampler.global_batch_size, costs, self._vendor_groups, self._exchange_s, old,
+                    self.sampler.min_batch_size, caps, allow_bench=bench, training=None if everyone else training)
+                predicted = decision.current_s
+                if decision.predicted_s < decision.current_s * (1.0 - self.min_gain):
+                    new, predicted = decision.split, decision.predicted_s
+                    self._say_why(decision, old, costs)
             except SplitError as exc:
                 _log.warning("re-balancing skipped: %s", exc)
-            if new != old:
-                self.sampler.set_split(new, after_draws=after_draws)
-                applied = True
-        decision = RebalanceDecision(
-            step=self._step, epoch=self.sampler.epoch, per_sample_s=per_sample,
-            old=old, new=new, applied=applied,
+        staying = [r for r, n in enumerate(new) if n > 0]
+        if new != old and not everyone and staying != training:
+            # Benched from the first batch no loader has drawn yet: the trainers change
+            # groups at that step, the benched rank's pass over the epoch ends there.
+            lead = max(ahead)
+            self.sampler.set_split(new, after_draws=lead - self._ahead())
+            self._switch = (self._ddp_step + 1 + lead, staying)
+            if dist.get_rank(self.world_group) in staying:
+                self._group_of(staying)
+            applied = True
+        elif new != old or everyone:  # the epoch start's decision also replaces a change still waiting
+            self.sampler.set_split(new, after_draws=after_draws)
+            applied = new != old
+        if everyone:
+            self._switch = None
+            if any(was == 0 and now > 0 for was, now in zip(old, new)):
+                # called back: the whole state again, now that the trainers' steps are complete
+                # (the end-of-epoch copy left before their last LR-schedule step)
+                self._sync_spares()
+            self._train_in(staying)
+        decision_record = RebalanceDecision(
+            step=self._step, epoch=self.sampler.epoch, per_sample_s=[c.per_sample_s for c in costs],
+            old=old, new=new, applied=applied, fixed_s=[c.fixed_s for c in costs],
+            exchange_s=self._exchange_s, predicted_s=predicted, measured_s=measured,
         )
-        self.history.append(decision)
+        self.history.append(decision_record)
+        self._fit_window_done()
         if self._recorder is not None:
-            self._recorder.record_rebalance(decision)
+            self._recorder.record_rebalance(decision_record)
         _log.info(
-            "rebalance at step %d: per-sample compute %s -> split %s%s",
-            decision.step, ["%.3g" % t for t in per_sample], new, "" if applied else " (kept)",
+            "rebalance at step %d: step cost %s, exchange %.3g s -> split %s%s (predicted %.3g s, measured %.3g s)",
+            decision_record.step, ["%.3g+%.3g*n" % (c.fixed_s, c.per_sample_s) for c in costs],
+            self._exchange_s, new, "" if applied else " (kept)", predicted, measured,
         )
-        return decision
+        return decision_record
 
-    def _exchange(self):
-        """All ranks' smoothed times and caps, bit-identical on every rank."""
-        own = [float(self._ema) if self._ema is not None else 0.0,
-               float(self._own_cap) if self._own_cap is not None else 0.0]
-        table = gather_per_rank(own, self.group, self._device)
-        per_sample = [row[0] for row in table]
+    def _fit_window_done(self) -> None:
+        self._comm, self._busy = [0.0, 0], [0.0, 0]
+
+    def _exchange(self, ranks: List[int], everyone: bool):
+        """Every rank's fitted cost, the exchange time, the caps and the measured step, the same
+        on every rank; ``ranks``: the world ranks of the round's group, in its rank order."""
+        cost = self._cost if self._cost is not None else StepCost(0.0, 0.0)
+        comm = self._comm[0] / self._comm[1] if self._comm[1] else -1.0
+        busy = self._busy[0] / self._busy[1] if self._busy[1] else -1.0
+        own = [cost.fixed_s, cost.per_sample_s, comm, busy,
+               float(self._own_cap) if self._own_cap is not None else 0.0, 0.0 if everyone else self._ahead()]
+        table = gather_per_rank(own, self.world_group if everyone else self.group, self._device)
+        costs = [StepCost(0.0, 0.0)] * self.world
+        caps: List[Optional[int]] = [None] * self.world
+        for r, row in zip(ranks, table):
+            costs[r] = StepCost(row[0], row[1])
+            caps[r] = int(row[4]) if row[4] > 0 else None
         if self._caps is not None:
             caps = [None if c is None else int(c) for c in self._caps]
-        else:
-            caps = [int(row[1]) if row[1] > 0 else None for row in table]
-        return per_sample, caps
+        # the rank that waited least in the exchange waited for nobody: its time is the exchange's
+        comms = [row[2] for row in table if row[2] >= 0]
+        steps = [row[3] for row in table if row[3] >= 0]
+        ahead = [int(row[5]) for row in table]
+        return costs, (min(comms) if comms else None), caps, (max(steps) if steps else 0.0), ahead
+
+    def _say_why(self, decision, old: List[int], costs: List[StepCost]) -> None:
+        """Rank 0 logs each bench and call-back with its reason."""
+        if dist.get_rank(self.world_group) != 0:
+            return
+        for r, (was, now) in enumerate(zip(old, decision.split)):
+            if (was > 0) == (now > 0):
+                continue
+            why = (f"the step is predicted {1e3 * decision.predicted_s:.3g} ms "
+                   f"{'without' if now == 0 else 'with'} it and {1e3 * decision.current_s:.3g} ms "
+                   f"{'with' if now == 0 else 'without'} it (its step {1e3 * costs[r].fixed_s:.3g} ms + "
+                   f"{1e3 * costs[r].per_sample_s:.3g} ms x samples, the exchange {1e3 * self._exchange_s:.3g} ms)")
+            if now == 0:
+                _log.warning("rank %d benched: %s; a hot spare, called back at an epoch start when it pays", r, why)
+            else:
+                _log.warning("rank %d called back with %d samples: %s", r, now, why)
+
+    # -- benched ranks ----------------------------------------------------------------
+
+    def _group_of(self, training: List[int]) -> dist.ProcessGroup:
+        """The process group of ``training`` (made once per set, by its members alone)."""
+        key = tuple(training)
+        if len(key) == self.world:
+            return self.world_group
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key), use_local_synchronization=True)
+        return self._groups[key]
+
+    def _train_in(self, training: List[int]) -> None:
+        """The model exchanges among ``training``, from its next step (on those ranks)."""
+        model = self._model_ref()
+        if model is not None and dist.get_rank(self.world_group) in training:
+            model.train_in(self._group_of(training))
+
+    def _after_optimizer_step(self) -> None:
+        if self._sync_due:
+            self._sync_due = False
+            self._sync_spares()
+
+    def _serve_as_spare(self, epoch: int) -> None:
+        """A benched rank's pass over an epoch: it waits for the epoch's end and takes the state."""
+        self._sync_spares()
+
+    def _sync_spares(self) -> None:
+        """The first training rank hands the model, the optimizer's state and ``state`` to everyone
+        (a collective of every rank: the training ones after the epoch's last step).
+
+        Tensors travel as tensors, each into its place (a benched rank on a slow
+        device spends its time receiving, not unpickling); the rest of the
+        states' structure travels once, pickled, with the tensors' shapes.
+        """
+        model = self._model_ref()
+        group = self.world_group
+        source = next(r for r, n in enumerate(self.sampler.split) if n > 0)
+        sending = dist.get_rank(group) == source
+        leaves: List[torch.Tensor] = []
+        skeleton = _skeleton([obj.state_dict() for obj in [self.optimizer, *self.state]], leaves) if sending else None
+        blob = pickle.dumps(skeleton) if sending else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        dist.broadcast(size, src=source, group=group)
+        if not 0 < int(size) <= _MAX_SKELETON:
+            raise TrainingError(f"re-balancer: rank {source} sent a state of {int(size)} bytes for the spares")
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if sending else torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, src=source, group=group)
+        if not sending:
+            skeleton = pickle.loads(data.numpy().tobytes())
+            leaves = [torch.empty(shape, dtype=dtype) for shape, dtype in _leaf_specs(skeleton)]
+        with torch.no_grad():
+            for tensor in [*model.module.parameters(), *model.module.buffers(), *leaves]:
+                dist.broadcast(tensor.data, src=source, group=group)
+        if not sending:
+            states = _filled(skeleton, iter(leaves))
+            for obj, state in zip([self.optimizer, *self.state], states):
+                obj.load_state_dict(state)
 
     # -- checkpoints ------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """The measurements of every rank (a collective: call it on every rank).
+        """Every rank's fitted step cost (a collective: call it on every rank).
 
         The same on every rank, so a ``torch.distributed.checkpoint`` keeps one copy.
         """
-        per_sample, _ = self._exchange()
-        return {"per_sample_s": per_sample, "step": self._step, "world": self.world}
+        costs = self._exchange(list(range(self.world)), everyone=True)[0]
+        return {"per_sample_s": [c.per_sample_s for c in costs], "fixed_s": [c.fixed_s for c in costs],
+                "exchange_s": self._exchange_s, "step": self._step, "world": self.world}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues from :meth:`state_dict`: this rank's smoothed time per sample comes back."""
+        """Continues from :meth:`state_dict`: this rank's fitted step cost comes back."""
         if int(state["world"]) != self.world:
             raise ValueError(f"re-balancer state of {state['world']} ranks cannot resume {self.world}")
-        value = float(state["per_sample_s"][self.sampler.rank])
-        self._ema = value if value > 0 else None
+        rank = self.sampler.rank
+        per_sample = float(state["per_sample_s"][rank])
+        fixed = float(state.get("fixed_s", [0.0] * self.world)[rank])
+        self._cost = StepCost(fixed, per_sample) if per_sample > 0 else None
+        self._exchange_s = float(state.get("exchange_s", 0.0))
         self._step = int(state["step"])
-        self._window_compute, self._window_samples = 0.0, 0
+        self._fit.clear()
+        self._fit_window_done()
         self._skip = self.warmup_steps
+
+
+_MAX_SKELETON = 1 << 30  # bytes of a state's structure (its tensors travel apart)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """Where a tensor stood in a state: its place in the leaves, shape and dtype."""
+
+    index: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _skeleton(value, leaves: List[torch.Tensor]):
+    """``value`` with each tensor replaced by a :class:`_Leaf` (the tensor appended to ``leaves``)."""
+    if isinstance(value, torch.Tensor):
+        leaves.append(value.detach())
+        return _Leaf(len(leaves) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: _skeleton(v, leaves) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_skeleton(v, leaves) for v in value)
+    return value
+
+
+def _leaf_specs(skeleton) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
+    """The shapes and dtypes of a skeleton's leaves, in order."""
+    found: List[_Leaf] = []
+
+    def walk(value) -> None:
+        if isinstance(value, _Leaf):
+            found.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(skeleton)
+    if [leaf.index for leaf in found] != list(range(len(found))):
+        raise TrainingError("re-balancer: the spares' state arrived out of order")
+    return [(leaf.shape, leaf.dtype) for leaf in found]
+
+
+def _filled(skeleton, leaves):
+    """The skeleton with its leaves put back (``leaves``: an iterator, in order)."""
+    if isinstance(skeleton, _Leaf):
+        return next(leaves)
+    if isinstance(skeleton, dict):
+        return {k: _filled(v, leaves) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(_filled(v, leaves) for v in skeleton)
+    return skeleton
+

@@ -127,6 +127,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         # draw ahead (workers, Accelerate's look-ahead), so "the last" is not the trained one.
         self._unclaimed: Deque[HandedBatch] = deque()
         self._epoch_listeners = Listeners()
+        self._spare_listeners = Listeners()
         _log.info("rank %d: global batch %d split %s (capabilities %s)",
                   self.rank, self.global_batch_size, self.split, self.capabilities)
 
@@ -255,8 +256,16 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.first_step = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.yielded = 0
         self._unclaimed.clear()  # a new pass over the epoch: what the last one left untrained is void
+        if self.local_batch_size == 0:  # benched for this epoch: a hot spare, no batch
+            self._spare_listeners(self.epoch)
+            return
         for step in range(self.first_step, self.num_steps):
-            yield self.draw(step) if follow_split else self._cut(step)
+            indices = self.draw(step) if follow_split else self._cut(step)
+            if not indices:  # benched from this step on: the pass ends here
+                self._unclaimed.pop()
+                self._spare_listeners(self.epoch)
+                return
+            yield indices
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices step after step, for ``DataLoader(ds, batch_size=local_batch_size, sampler=self)``."""
@@ -307,6 +316,11 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.epoch = int(epoch)
         self._epoch_step = 0
         self._epoch_listeners(self.epoch)
+
+    def add_spare_hook(self, callback) -> None:
+        """Calls ``callback(epoch)`` where a benched rank's pass over an epoch would start (it gets
+        no batch; the re-balancer keeps its copy of the model current there)."""
+        self._spare_listeners.add(callback)
 
     def add_epoch_hook(self, callback) -> None:
         """Calls ``callback(epoch)`` from :meth:`set_epoch` (used by the re-balancer)."""
@@ -361,7 +375,7 @@ class KaitianBatchSampler(torch.utils.data.BatchSampler):
         return self.sampler.epoch_batches()
 
     def __len__(self) -> int:
-        return self.sampler.num_steps
+        return self.sampler.num_steps if self.sampler.local_batch_size > 0 else 0  # benched: none
 
 
 def kaitian_sampler_of(loader) -> Optional[DistributedSampler]:

@@ -145,8 +145,17 @@ def epoch_layout(
                 "lower batch_size"
             )
         return full, None
-    remainder = max(remainder, minimum * len(split))
-    return full, proportional_split(remainder, split, caps=split, minimum=minimum)
+    return full, _over_training_ranks(split, lambda shares: proportional_split(
+        max(remainder, minimum * len(shares)), shares, caps=shares, minimum=minimum))
+
+
+def _over_training_ranks(split: Sequence[int], cut) -> List[int]:
+    """``cut(shares)`` applied to the ranks with a share (benched ranks, with none, keep none)."""
+    training = [r for r, n in enumerate(split) if n > 0]
+    out = [0] * len(split)
+    for r, n in zip(training, cut([split[r] for r in training])):
+        out[r] = n
+    return out
 
 
 class SplitSchedule:
@@ -165,6 +174,9 @@ class SplitSchedule:
         self.current = list(split)
         self.global_batch_size = sum(self.current)
         self.minimum = minimum
+        # A rank may get no samples (benched) only where its rank then leaves every per-step
+        # collective: kaitian.Rebalancer(..., optimizer=) turns this on.
+        self.benching = False
         self.draws = 0  # batches drawn, over all epochs
         self.listeners = Listeners()  # callback(old_split, new_split)
         self._pending: Optional[Tuple[List[int], Optional[int]]] = None  # (split, at draw; None: next epoch)
@@ -178,16 +190,22 @@ class SplitSchedule:
         sizes = [int(s) for s in sizes]
         if len(sizes) != ranks:
             raise SplitError(f"split has {len(sizes)} entries for {ranks} ranks")
-        if min(sizes) < self.minimum:
-            raise SplitError(f"every rank needs a batch of at least {self.minimum}, got {sizes}")
+        if min((s for s in sizes if s > 0 or not self.benching), default=0) < self.minimum:
+            raise SplitError(f"every rank needs a batch of at least {self.minimum}, got {sizes}"
+                             + ("" if self.benching else " (a rank gets none only through "
+                                "kaitian.Rebalancer(..., optimizer=), which takes it out of the exchange)"))
         if sum(sizes) != self.global_batch_size:
             raise SplitError(f"split {sizes} adds up to {sum(sizes)}, not the global batch {self.global_batch_size}")
         return sizes
 
     def change(self, sizes: Sequence[int], after_draws: Optional[int]) -> None:
         """``sizes`` from the next epoch (``after_draws=None``) or after ``after_draws`` more draws."""
+        sizes = self._checked(sizes, len(self.current))
         at = None if after_draws is None else self.draws + int(after_draws)
-        self._pending = (self._checked(sizes, len(self.current)), at)
+        if at is not None and any(now > 0 and was == 0 for now, was in zip(sizes, self.current)):
+            raise SplitError(f"split {sizes} calls back a benched rank of {self.current}: "
+                             "that takes effect at an epoch start (after_draws=None)")
+        self._pending = (sizes, at)
 
     def replace(self, sizes: Sequence[int], ranks: int) -> None:
         """``sizes`` over ``ranks`` ranks (another world) from now on; a waiting change is dropped."""
@@ -201,10 +219,12 @@ class SplitSchedule:
             raise SplitError(f"a minimum batch of {minimum} per rank needs a global batch of at least "
                              f"{minimum * len(self.current)}, not {self.global_batch_size}; raise batch_size")
         self.minimum = minimum
-        self.current = proportional_split(self.global_batch_size, self.current, minimum=minimum)
+        lift = lambda sizes: _over_training_ranks(  # noqa: E731
+            sizes, lambda shares: proportional_split(self.global_batch_size, shares, minimum=minimum))
+        self.current = lift(self.current)
         if self._pending is not None:
             sizes, at = self._pending
-            self._pending = (proportional_split(self.global_batch_size, sizes, minimum=minimum), at)
+            self._pending = (lift(sizes), at)
 
     def before_batch(self, at_epoch_start: bool, draw: bool) -> None:
         """Applies a change that is due before the next batch; ``draw``: count that batch as drawn."""

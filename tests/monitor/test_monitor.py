@@ -29,3 +29,27 @@ def test_wait_is_separated_from_communication_and_rounds_are_reported(tmp_path):
     assert [r[10] for r in rows] == ["27.0", "2.0"]
     assert "1 re-balancing round(s), 1 changed the split (last: [48, 16] at step 3)" in table
     assert (tmp_path / "monitor.png").stat().st_size > 1000
+
+
+def test_benched_ranks_and_the_predicted_step_are_reported(tmp_path):
+    """Rank 1 trains 4 steps, is benched at a round only rank 0 and it took part in; the table
+    names it benched, shows the full step's batch (not a short last one) and the last round's
+    predicted and measured step."""
+    start = time.time()
+    round_ = RebalanceDecision(step=4, epoch=0, per_sample_s=[1e-4, 1e-3], old=[48, 16], new=[64, 0], applied=True,
+                               fixed_s=[0.004, 0.05], exchange_s=0.01, predicted_s=0.0104, measured_s=0.066)
+    for rank, steps in ((0, 8), (1, 4)):
+        rec = StepRecorder(str(tmp_path / f"rank-{rank}.jsonl"), rank, {"device": f"cpu:{rank}", "group": f"cpu{rank}"})
+        for step in range(steps):
+            own = (48 if rank == 0 else 16) if step < 4 else 64
+            last = step == steps - 1 and rank == 0
+            rec.record_step(StepTiming(step=step, samples=20 if last else own, global_samples=20 if last else 64,
+                                       compute_s=0.05, comm_s=0.01, step_s=0.1, end=start + 0.1 * step, wait_s=0.0))
+        rec.record_rebalance(round_)
+        rec.flush()
+    table = AgentMonitor(str(tmp_path)).report()
+    rows = [line.split() for line in table.splitlines()[1:3]]
+    assert [r[5] for r in rows] == ["64", "benched"]
+    assert "1 re-balancing round(s), 1 changed the split (last: [64, 0] at step 4)" in table
+    assert "last round: predicted step 10.4 ms, measured 66.0 ms; benched (hot spares): rank 1" in table
+    assert (tmp_path / "monitor.png").stat().st_size > 1000

@@ -65,7 +65,7 @@ def test_rebalancing_moves_samples_from_a_slower_rank(tmp_path, every):
     if every != "epoch":  # changes land within epochs: more rounds than epoch boundaries
         assert len(first["history"]) >= 8
         assert len(set(first["sizes"][:16])) > 1
-    for per_sample, old, new, applied in first["history"]:
-        assert per_sample[1] > per_sample[0]  # it saw the slow rank
+    for step_cost, old, new, applied in first["history"]:
+        assert step_cost[1] > step_cost[0]  # it saw the slow rank (its step at 64 samples costs more)
         if applied:
             assert new[0] > old[0] or abs(new[0] - old[0]) < 20

@@ -66,7 +66,9 @@ def main():
         "steps": steps,
         "final_split": sampler.split,
         "sizes": sizes,
-        "history": [[d.per_sample_s, d.old, d.new, d.applied] for d in balancer.history],
+        # each rank's fitted step at the equal split's 64 samples, then the split change
+        "history": [[[a + b * 64 for a, b in zip(d.fixed_s, d.per_sample_s)], d.old, d.new, d.applied]
+                    for d in balancer.history],
         "comm_s": sum(t.comm_s for t in model.step_timings),
         "compute_s": sum(t.compute_s for t in model.step_timings),
     }

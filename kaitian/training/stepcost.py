@@ -1,0 +1,250 @@
+"""Who trains and how much: a step-cost model per rank and the split that minimises the step.
+
+A rank's busy time in a step (its step minus every collective wait, device
+time on accelerators) is modelled as ``t_r(n) = a_r + b_r * n``: a fixed part
+``a_r`` (forward and backward at any batch, optimizer, Python) and a part per
+sample ``b_r``. Each rank fits its own ``a_r, b_r`` by least squares over the
+batch sizes it has trained (:class:`StepCostFit`). A synchronised step of the
+ranks ``S`` then takes
+
+    T(S, n) = max_{r in S} (a_r + b_r * n_r) + c(S)
+
+where ``c(S)`` is the gradient exchange: nothing for one rank, else as
+measured (the smallest communication time of any rank in the step, which
+waits for nobody). :func:`solve_split` chooses, for a fixed global batch, the
+split with the smallest predicted ``T`` over the subsets of ranks (a rank may
+get zero samples), each vendor group alone among them, so the step it
+predicts is never slower than the fastest group alone would take.
+
+Everything here is deterministic: ranks that feed it the same numbers get the
+same split.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+from kaitian.errors import SplitError
+
+__all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split", "predicted_step"]
+
+# Batch sizes whose spread (relative to their mean) is below this cannot tell a from b.
+ALIKE = 0.05
+# Up to this many ranks every subset is tried (4096 split computations); beyond, whole vendor
+# groups and the fastest ranks of them.
+_EVERY_SUBSET = 12
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """``t(n) = fixed_s + per_sample_s * n``; ``per_sample_s <= 0``: not measured yet."""
+
+    fixed_s: float
+    per_sample_s: float
+
+    def at(self, n: int) -> float:
+        return self.fixed_s + self.per_sample_s * n if n > 0 else 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.per_sample_s > 0
+
+
+class StepCostFit:
+    """This rank's step-cost model from its recent steps: ``(samples, busy seconds)``.
+
+    Args:
+        window: how many recent steps the fit uses.
+    """
+
+    def __init__(self, window: int = 48) -> None:
+        self.points: Deque[Tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, samples: int, seconds: float) -> None:
+        if samples > 0 and seconds > 0 and math.isfinite(seconds):
+            self.points.append((int(samples), float(seconds)))
+
+    def clear(self) -> None:
+        self.points.clear()
+
+    @property
+    def varied(self) -> bool:
+        """Whether the batch sizes seen differ enough to tell the fixed part from the per-sample one."""
+        if len(self.points) < 2:
+            return False
+        sizes = [n for n, _ in self.points]
+        mean = sum(sizes) / len(sizes)
+        return (max(sizes) - min(sizes)) / mean >= ALIKE
+
+    def cost(self) -> StepCost:
+        """The least-squares fit; with alike batch sizes all of the time is taken as per sample
+        (``a = 0``), the cautious reading: it never benches a rank for a fixed cost it has not seen."""
+        if not self.points:
+            return StepCost(0.0, 0.0)
+        n = [float(p[0]) for p in self.points]
+        t = [p[1] for p in self.points]
+        mean_n, mean_t = sum(n) / len(n), sum(t) / len(t)
+        if not self.varied:
+            return StepCost(0.0, mean_t / mean_n)
+        var = sum((x - mean_n) ** 2 for x in n)
+        slope = sum((x - mean_n) * (y - mean_t) for x, y in zip(n, t)) / var
+        # Noise can make either part negative; keep both physical and the fit's mean.
+        slope = min(max(slope, 0.02 * mean_t / mean_n), mean_t / mean_n)
+        return StepCost(mean_t - slope * mean_n, slope)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One subset of ranks and its best split."""
+
+    split: Tuple[int, ...]
+    predicted_s: float
+
+
+@dataclass
+class SplitDecision:
+    """What :func:`solve_split` chose, and what it compared.
+
+    Attributes:
+        split: the chosen split (zeros: benched ranks).
+        predicted_s: its predicted step time.
+        current_s: the current split's predicted step time.
+        alone_s: each vendor group alone: ``{group: predicted step}``.
+    """
+
+    split: List[int]
+    predicted_s: float
+    current_s: float
+    alone_s: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def benched(self) -> List[int]:
+        return [r for r, n in enumerate(self.split) if n == 0]
+
+
+def predicted_step(split: Sequence[int], costs: Sequence[StepCost], exchange_s: float) -> float:
+    """``T`` of a split: the slowest training rank plus the exchange when more than one trains."""
+    active = [r for r, n in enumerate(split) if n > 0]
+    slowest = max(costs[r].at(split[r]) for r in active)
+    return slowest + (exchange_s if len(active) > 1 else 0.0)
+
+
+def _water_fill(total: int, ranks: Sequence[int], costs: Sequence[StepCost], minimum: int,
+                caps: Sequence[Optional[int]], world: int) -> Optional[List[int]]:
+    """The integer split of ``total`` over ``ranks`` that minimises the slowest ``a + b n``
+    (every one of them at least ``minimum``, at most its cap); ``None`` if it cannot fit.
+
+    The continuous optimum puts every free rank at one level ``T`` (ranks that would fall
+    below the minimum or above their cap are pinned there); its floors are all at or below
+    the integer optimum, and the samples left each go to the rank whose time they raise
+    least, which is optimal for increasing linear costs.
+    """
+    if total < minimum * len(ranks):
+        return None
+    if all(caps[r] is not None for r in ranks) and sum(caps[r] for r in ranks) < total:
+        return None
+    pinned: Dict[int, int] = {}
+    free = list(ranks)
+    shares: Dict[int, float] = {}
+    while free:
+        left = total - sum(pinned.values())
+        level = (left + sum(costs[r].fixed_s / costs[r].per_sample_s for r in free)) / sum(
+            1.0 / costs[r].per_sample_s for r in free)
+        shares = {r: (level - costs[r].fixed_s) / costs[r].per_sample_s for r in free}
+        low = [r for r in free if shares[r] < minimum]
+        high = [r for r in free if caps[r] is not None and shares[r] > caps[r]]
+        if not low and not high:
+            break
+        for r in low:
+            pinned[r] = minimum
+        for r in high:
+            pinned[r] = caps[r]
+        free = [r for r in free if r not in pinned]
+    split = [0] * world
+    for r, n in pinned.items():
+        split[r] = n
+    for r in free:
+        split[r] = max(minimum, int(math.floor(shares[r])))
+    while sum(split) > total:  # pinned caps and minimums may overshoot: the slowest gives back
+        r = max((r for r in ranks if split[r] > minimum), key=lambda r: (costs[r].at(split[r]), -r))
+        split[r] -= 1
+    while sum(split) < total:
+        r = min((r for r in ranks if caps[r] is None or split[r] < caps[r]),
+                key=lambda r: (costs[r].at(split[r] + 1), r))
+        split[r] += 1
+    return split
+
+
+def _rank_order(candidate: Candidate) -> tuple:
+    """The faster candidate first; on a tie, the one whose samples sit on lower ranks."""
+    return candidate.predicted_s, tuple(-n for n in candidate.split)
+
+
+def solve_split(
+    global_batch: int,
+    costs: Sequence[StepCost],
+    groups: Sequence[str],
+    exchange_s: float,
+    current: Sequence[int],
+    minimum: int = 1,
+    caps: Optional[Sequence[Optional[int]]] = None,
+    allow_bench: bool = False,
+    training: Optional[Sequence[int]] = None,
+) -> SplitDecision:
+    """The split of ``global_batch`` with the smallest predicted step.
+
+    Args:
+        global_batch: samples per step over all ranks.
+        costs: each rank's step cost (all known).
+        groups: each rank's vendor group (a group alone is always a candidate).
+        exchange_s: the gradient exchange's time when more than one rank trains.
+        current: the split in use.
+        minimum: the smallest batch of a rank that trains.
+        caps: per-rank maximum batch (``None`` = no cap).
+        allow_bench: a rank may get zero samples; otherwise every rank trains.
+        training: only these ranks may train (default: all).
+
+    Returns:
+        The decision (the same on every rank for the same inputs).
+
+    Raises:
+        SplitError: no subset can hold the global batch.
+    """
+    world = len(costs)
+    caps = [None] * world if caps is None else list(caps)
+    allowed = list(range(world)) if training is None else sorted(training)
+    if not allow_bench:
+        subsets = [allowed]
+    elif len(allowed) <= _EVERY_SUBSET:
+        subsets = [list(c) for k in range(1, len(allowed) + 1) for c in itertools.combinations(allowed, k)]
+    else:
+        # Every set of whole groups; within it, the ranks sorted by their cost at an equal
+        # share, each leading part.
+        names = sorted(set(groups[r] for r in allowed))
+        subsets = []
+        for k in range(1, len(names) + 1):
+            for chosen in itertools.combinations(names, k):
+                ranks = [r for r in allowed if groups[r] in chosen]
+                share = max(1, global_batch // len(ranks))
+                ranks.sort(key=lambda r: (costs[r].at(share), r))
+                subsets += [sorted(ranks[:m]) for m in range(1, len(ranks) + 1)]
+        subsets += [[r for r in allowed if groups[r] == name] for name in names]  # each group alone
+    best: Optional[Candidate] = None
+    alone: Dict[str, float] = {}
+    for ranks in subsets:
+        split = _water_fill(global_batch, ranks, costs, minimum, caps, world)
+        if split is None:
+            continue
+        candidate = Candidate(tuple(split), predicted_step(split, costs, exchange_s))
+        own = {groups[r] for r in ranks}
+        if len(own) == 1 and len(ranks) == sum(1 for r in allowed if groups[r] in own):
+            alone[own.pop()] = candidate.predicted_s
+        if best is None or _rank_order(candidate) < _rank_order(best):
+            best = candidate
+    if best is None:
+        raise SplitError(f"no set of ranks can hold the global batch {global_batch} (minimum {minimum}, caps {caps})")
+    return SplitDecision(list(best.split), best.predicted_s, predicted_step(current, costs, exchange_s), alone)

@@ -1,0 +1,56 @@
+"""Benched ranks (hot spares) in a real 2-rank job: exact, and called back when they pay.
+
+Two simulated vendor groups, backend kaitian, ``kaitian.Rebalancer(...,
+optimizer=, state=)``; see ``workers/bench_spare.py``. Whoever trains, every
+rank ends with the weights of one process trained on the same global batches
+(fp64, SGD with momentum and a per-batch LR schedule, 1e-9).
+"""
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from support import worker
+from support.ranks import Layout, cleanup, run_ranks, tail
+
+
+def _replay(trained_by_rank, epochs):
+    """One process on the union of each (epoch, step)'s batches: the same model, optimizer, schedule."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(200, 1, generator=g, dtype=torch.float64)
+    torch.manual_seed(1234)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    steps = {}
+    for trained in trained_by_rank:
+        for epoch, step, indices in trained:
+            steps.setdefault((epoch, step), []).extend(indices)
+    for epoch in range(epochs):  # every sample once per epoch, whoever trained it
+        assert sorted(i for (e, _), part in steps.items() if e == epoch for i in part) == list(range(200))
+    for key in sorted(steps):
+        opt.zero_grad()
+        F.mse_loss(net(x[steps[key]]), y[steps[key]]).backward()
+        opt.step()
+        schedule.step()
+    return [p.detach().reshape(-1).tolist() for p in net.parameters()], opt.param_groups[0]["lr"]
+
+
+def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_exact():
+    run = run_ranks(Layout("1+1"), [worker("bench_spare")], timeout=180)
+    try:
+        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        r0, r1 = (json.load(open(out)) for out in run.outs)
+        log0 = tail(run.logs[0], 1000)
+    finally:
+        cleanup(run)
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=6)
+    for r in (r0, r1):  # the spare's copy too: it received the state at each epoch's end
+        assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
+        assert abs(r["lr"] - lr) < 1e-15
+    epochs_of = lambda r: {epoch for epoch, _, _ in r["trained"]}  # noqa: E731
+    assert epochs_of(r1) != set(range(6)), r0["history"]  # rank 1 was benched for whole epochs
+    assert 5 in epochs_of(r1) and 1 not in epochs_of(r1), r0["history"]  # ... and called back when rank 0 slowed
+    assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0

@@ -1,0 +1,122 @@
+"""The step-cost model and the solver that decides who trains (pure Python)."""
+
+import itertools
+import random
+
+import pytest
+
+from kaitian.errors import SplitError
+from kaitian.training.sampler import DistributedSampler
+from kaitian.training.split import SplitSchedule, epoch_layout
+from kaitian.training.stepcost import StepCost, StepCostFit, predicted_step, solve_split
+
+
+def test_the_fit_separates_the_fixed_cost_from_the_per_sample_cost():
+    fit = StepCostFit()
+    rng = random.Random(0)
+    for n in [64] * 10 + [12] * 10 + [116] * 10:
+        fit.add(n, 0.030 + 0.002 * n + rng.uniform(-1e-4, 1e-4))
+    cost = fit.cost()
+    assert abs(cost.fixed_s - 0.030) < 1e-3 and abs(cost.per_sample_s - 0.002) < 2e-5
+
+
+def test_alike_batches_are_read_as_all_per_sample_and_noise_keeps_both_parts_physical():
+    fit = StepCostFit()
+    for _ in range(5):
+        fit.add(64, 0.128)
+    assert not fit.varied and fit.cost() == StepCost(0.0, 0.002)
+    noisy = StepCostFit()
+    for n, t in [(10, 0.05), (20, 0.04), (30, 0.05), (40, 0.04)]:  # no trend at all
+        noisy.add(n, t)
+    cost = noisy.cost()
+    assert cost.per_sample_s > 0 and cost.fixed_s >= 0
+    assert abs(cost.at(25) - 0.045) < 1e-12  # the mean is kept
+
+
+def _brute_force(total, costs, exchange, minimum=1):
+    """The best predicted step over every split of ``total`` (tiny cases)."""
+    best = None
+    world = len(costs)
+    for split in itertools.product(range(total + 1), repeat=world):
+        if sum(split) != total or any(0 < n < minimum for n in split):
+            continue
+        t = predicted_step(split, costs, exchange)
+        best = t if best is None else min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_solver_finds_the_best_split_over_every_subset(seed):
+    rng = random.Random(seed)
+    world = rng.randint(1, 4)
+    costs = [StepCost(rng.choice([0.0, rng.uniform(0, 0.05)]), rng.uniform(1e-4, 5e-3)) for _ in range(world)]
+    groups = [f"g{rng.randint(0, 1)}" for _ in range(world)]
+    exchange = rng.choice([0.0, 0.002, 0.02])
+    total = rng.randint(world, 24)
+    decision = solve_split(total, costs, groups, exchange, [total // world] * (world - 1) + [total - total // world * (world - 1)],
+                           allow_bench=True)
+    assert sum(decision.split) == total
+    assert decision.predicted_s == pytest.approx(_brute_force(total, costs, exchange), abs=1e-12)
+    for group, alone in decision.alone_s.items():  # never slower than a vendor group alone
+        assert decision.predicted_s <= alone + 1e-15
+
+
+def test_a_rank_with_a_high_fixed_cost_or_an_expensive_exchange_gets_nothing():
+    fast, slow = StepCost(0.004, 0.0001), StepCost(0.050, 0.001)
+    decision = solve_split(128, [fast, slow], ["cuda", "cpu"], 0.002, [64, 64], allow_bench=True)
+    assert decision.split == [128, 0] and decision.benched == [1]
+    assert decision.alone_s["cuda"] == pytest.approx(0.004 + 0.0128)
+    # equal ranks: both train while the exchange is cheap, one alone when it is not
+    equal = [StepCost(0.001, 0.001), StepCost(0.001, 0.001)]
+    assert solve_split(128, equal, ["a", "b"], 0.002, [64, 64], allow_bench=True).split == [64, 64]
+    assert solve_split(128, equal, ["a", "b"], 0.08, [64, 64], allow_bench=True).split == [128, 0]
+    # without benching every rank keeps its minimum
+    assert solve_split(128, [fast, slow], ["cuda", "cpu"], 0.002, [64, 64], minimum=2).split == [126, 2]
+
+
+def test_the_solver_is_deterministic_and_takes_the_lower_rank_on_ties():
+    same = [StepCost(0.01, 0.001)] * 3
+    results = {tuple(solve_split(30, same, ["a", "a", "a"], 1.0, [10, 10, 10], allow_bench=True).split)
+               for _ in range(5)}
+    assert results == {(30, 0, 0)}
+
+
+def test_a_cap_or_a_minimum_that_no_subset_meets_is_an_error():
+    with pytest.raises(SplitError, match="no set of ranks can hold the global batch 64"):
+        solve_split(64, [StepCost(0, 1e-3)] * 2, ["a", "b"], 0.0, [32, 32], caps=[16, 16], allow_bench=True)
+
+
+def test_zero_shares_in_the_epoch_layout_and_the_schedule():
+    assert epoch_layout(100, [32, 0, 16], minimum=2) == (2, [2, 0, 2])  # short step of 4 over the trainers
+    schedule = SplitSchedule([24, 24], minimum=1)
+    with pytest.raises(SplitError, match=r"takes it out of the exchange"):
+        schedule.change([48, 0], after_draws=None)
+    schedule.benching = True
+    schedule.change([48, 0], after_draws=0)  # benching mid-epoch: yes
+    schedule.before_batch(at_epoch_start=False, draw=True)
+    with pytest.raises(SplitError, match="calls back a benched rank"):
+        schedule.change([24, 24], after_draws=0)  # calling back: at an epoch start only
+    schedule.change([24, 24], after_draws=None)
+    schedule.raise_minimum(3)  # a benched rank is not lifted to the minimum
+    assert schedule.current == [48, 0]
+
+
+def test_a_benched_rank_has_no_batch_and_its_pass_ends_where_it_is_benched():
+    samplers = [DistributedSampler(list(range(100)), batch_size=16, num_replicas=2, rank=r) for r in range(2)]
+    spare_calls = []
+    for s in samplers:
+        s._schedule.benching = True
+        s.add_spare_hook(lambda epoch, r=s.rank: spare_calls.append((r, epoch)))
+        s.set_epoch(0)
+    passes = [iter(s.batch_sampler()) for s in samplers]
+    assert [len(next(p)) for p in passes] == [16, 16]
+    for s in samplers:
+        s.set_split([32, 0], after_draws=1)  # the third batch on
+    assert [len(next(p)) for p in passes] == [16, 16]
+    assert list(passes[1]) == [] and spare_calls == [(1, 0)]
+    assert [len(b) for b in passes[0]] == [32, 4]  # the short step of 4 is all rank 0's
+    for s in samplers:
+        s.set_epoch(1)
+    assert len(samplers[1].batch_sampler()) == 0 or samplers[1].local_batch_size == 0
+    assert list(samplers[1].batch_sampler()) == [] and spare_calls == [(1, 0), (1, 1)]
+    assert sum(len(b) for b in samplers[0].batch_sampler()) == 100

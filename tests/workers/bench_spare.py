@@ -1,0 +1,88 @@
+"""Worker: a rank that does not pay is benched (a hot spare) and called back, exactly.
+
+torchrun-style (environment, backend kaitian, JSON to ``KT_OUT``). fp64 MLP,
+SGD with momentum and a per-batch LR schedule (handed to the spares with the
+optimizer: ``state=``), a loader that draws two batches ahead. Rank 1 has a
+fixed cost of ``--slow1`` s a step (a sleep: the busy time the re-balancer
+measures) and is benched; from epoch ``--turn`` on rank 0 costs ``--slow0`` s a
+step, so that rank 1 alone is faster: at the next epoch start rank 1 is
+called back and rank 0 benched. Every rank writes the indices it trained per
+(epoch, step), its shares and its final weights.
+"""
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import kaitian
+from support.worker_env import end_process_group
+
+
+def drawing_ahead(loader, ahead=2):
+    """The loader's batches, the next ``ahead`` always drawn already (as DataLoader workers do)."""
+    it = iter(loader)
+    queue = collections.deque(itertools.islice(it, ahead))
+    for batch in it:
+        queue.append(batch)
+        yield queue.popleft()
+    yield from queue
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--turn", type=int, default=3)
+    p.add_argument("--slow0", type=float, default=0.3)
+    p.add_argument("--slow1", type=float, default=0.05)
+    args, _ = p.parse_known_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("kaitian")
+    rank = dist.get_rank()
+    kaitian.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(200, 1, generator=g, dtype=torch.float64)
+    ds = TensorDataset(x, y, torch.arange(200))
+    sampler = kaitian.DistributedSampler(ds, batch_size=16, capabilities=[1.0, 1.0])  # 6 steps of 32, one of 8
+    torch.manual_seed(1234)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    model = kaitian.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[schedule])
+    loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
+    trained, shares = [], []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for step, (xb, yb, index) in enumerate(drawing_ahead(loader)):
+            if step == 0:
+                shares.append([epoch, sampler.split])
+            slow = args.slow1 if rank == 1 else (args.slow0 if epoch >= args.turn else 0.0)
+            opt.zero_grad()
+            out = model(xb)
+            time.sleep(slow)
+            F.mse_loss(out, yb).backward()
+            opt.step()
+            schedule.step()
+            trained.append([epoch, step, index.tolist()])
+    with open(os.environ["KT_OUT"], "w") as f:
+        json.dump({
+            "rank": rank, "trained": trained, "shares": shares, "lr": opt.param_groups[0]["lr"],
+            "weights": [p.detach().reshape(-1).tolist() for p in net.parameters()],
+            "history": [[d.step, d.epoch, d.old, d.new] for d in balancer.history],
+            "exchange": balancer.state_dict()["exchange_s"],
+        }, f)
+    del model, balancer, opt, loader
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main()
