@@ -25,6 +25,10 @@ would hand that to one mode):
   the optimizer: a rank that does not pay is benched) re-splits within its
   epochs and keeps its state across cycles.
 
+A phase's time is its training ranks' (the slowest one's, from its start to
+its last step): a benched rank receives its copy of the state at the epoch's
+end, which holds up only collectives of the whole world, not the steps.
+
 The table reports each mode's median over the second half of the cycles (the
 steady state: re-balancing starts from the equal split by design; a median,
 because a transient stall of one rank on a shared machine hits one phase and
@@ -177,8 +181,9 @@ def _worker(args: argparse.Namespace) -> int:
             sampler.set_epoch(epoch)  # the re-balancer's round happens here
             start = time.perf_counter()  # after the round: it is not training time
             seen = train(model, opt, sampler.epoch_batches())
-            dist.barrier()
-            elapsed = time.perf_counter() - start
+            # the training ranks' time: a benched rank's copy of the state at the epoch's end
+            # holds up only collectives of the whole world (as the gathers here), not the steps
+            elapsed = max(gather(time.perf_counter() - start if seen else 0.0))
             history[mode].append(sum(gather(seen)) / elapsed)
         epoch += 1
 

@@ -352,6 +352,12 @@ class DistributedDataParallel(_TorchDDP):
 
     # -- forward -----------------------------------------------------------------
 
+    def _kt_alone(self) -> bool:
+        """Whether this rank trains alone in a subgroup (benched peers), with nothing torch's DDP
+        must still do: no hook of the user's, no inputs to move to a device."""
+        return (self.training_group is not self.process_group and self.training_group.size() == 1
+                and self._kt_user_hook is None and self._kt_builtin_hook is None and not self.device_ids)
+
     def _kt_register_hook(self) -> None:
         self._kt_hook_registered = True
         if self._kt_builtin_hook is not None:
@@ -375,7 +381,9 @@ class DistributedDataParallel(_TorchDDP):
             st.first_forward = time.perf_counter()
             self._kt_clock.mark("start")
         record = _Forward(self._kt_count_samples(inputs, kwargs), sync, st.ref)
-        output = super().forward(*inputs, **kwargs)
+        # One rank trains (the others benched): nothing to exchange, so torch's reducer
+        # is left out (its gradient hooks stay idle) and the weighting is applied at the end.
+        output = self.module(*inputs, **kwargs) if self._kt_alone() else super().forward(*inputs, **kwargs)
         ddp_ref = weakref.ref(self)
         for tensor in _grad_tensors(output):
             tensor.register_hook(lambda grad, r=record: _on_output_grad(ddp_ref, r, grad))
@@ -443,7 +451,7 @@ class DistributedDataParallel(_TorchDDP):
             st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
             raise error
         total, correction = self._kt_totals()
-        if self._kt_builtin_hook is not None and correction != 1.0:
+        if (self._kt_builtin_hook is not None or self._kt_alone()) and correction != 1.0:
             with torch.no_grad():
                 for p in self.module.parameters():
                     if p.grad is not None:

@@ -13,14 +13,15 @@ exchange, so all ranks agree) the ranks exchange their fits and compute the
 same new split from bit-identical inputs: the one with the smallest
 predicted step, gradient exchange included.
 
-Given the optimizer, it also decides who trains: at each epoch start every
-rank meets, and a rank whose step does not pay (its fixed cost, or the
-exchange it adds, outweighs the samples it would take) is *benched* for the
-epoch: it gets no batch, and the others exchange gradients among themselves
-(:meth:`kaitian.DistributedDataParallel.train_in`), so it holds nobody up. It
-stays a hot spare: at the end of each epoch it receives the model, the
-optimizer's state and ``state=`` objects from the first training rank, and
-it is called back at an epoch start when the model predicts that it pays.
+Given the optimizer, it also decides who trains: a rank whose step does not
+pay (its fixed cost, or the exchange it adds, outweighs the samples it would
+take) is *benched*: it gets no batch, and the others exchange gradients among
+themselves (:meth:`kaitian.DistributedDataParallel.train_in`), so it holds
+nobody up. It stays a hot spare: after each epoch's last optimizer step the
+first training rank sends it the model, the optimizer's state and ``state=``
+objects, point to point and without waiting; at each epoch start it learns
+the new split from that rank, and it is called back when the model predicts
+that it pays.
 """
 
 from __future__ import annotations
@@ -184,16 +185,20 @@ class Rebalancer:
         self._one_micro = True  # every step so far was one batch (no accumulation)
         self._ddp_step = 0
         self._switch: Optional[Tuple[int, List[int]]] = None  # (step, ranks): the trainers' next group
-        self._epoch_samples = 0  # global samples trained in this epoch's pass
+        self._epoch_samples = 0  # global samples trained in this epoch's pass ...
+        self._epoch_total: Optional[int] = None  # ... of all it has
         self._sync_due = False
         self._last_round = time.monotonic()
         self._groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+        self._known = [StepCost(0.0, 0.0)] * self.world  # every rank's cost as of the last round it took part in
+        self._known_caps: List[Optional[int]] = [None] * self.world
+        self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
         self.history: List[RebalanceDecision] = []
         self._attach(model, group)
         self._vendor_groups = self._exchange_vendor_groups()
         self.bench_blocker = model.bench_blocker() if optimizer is not None else "no optimizer given"
         if optimizer is not None and self.bench_blocker is None:
-            sampler._schedule.benching = True
+            sampler.enable_benching()
             optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
             sampler.add_spare_hook(self._serve_as_spare)
         sampler.add_split_listener(self._on_split_change)
@@ -237,6 +242,8 @@ class Rebalancer:
         self._skip = self.warmup_steps
         self._step = 0
         self._groups = {}
+        self._known = [StepCost(0.0, 0.0)] * self.world
+        self._known_caps = [None] * self.world
         self._attach(model)
         self._vendor_groups = self._exchange_vendor_groups()
 
@@ -284,9 +291,10 @@ class Rebalancer:
         self._epoch_steps += 1
         self._one_micro = self._one_micro and micro_batches == 1
         self._epoch_samples += global_samples
+        if self._epoch_total is None:  # the samples of this epoch's pass, whatever the split
+            self._epoch_total = self.sampler.total_size - self.sampler.first_step * self.sampler.global_batch_size
         if self.sampler.num_replicas > self.sampler.split.count(0) > 0:
-            epoch_total = self.sampler.total_size - self.sampler.first_step * self.sampler.global_batch_size
-            self._sync_due = self._epoch_samples >= epoch_total  # the epoch's last step: spares wait
+            self._sync_due = self._epoch_samples >= self._epoch_total  # the epoch's last step: spares wait
 
     def _on_split_change(self, old, new) -> None:
         # Batches of the old size may still be in flight when a mid-epoch change
@@ -314,11 +322,13 @@ class Rebalancer:
         return self.sampler.state_dict()["step"] - (self.sampler.first_step + self._epoch_steps + 1)
 
     def _on_epoch(self, epoch: int) -> None:
-        self._epoch_samples, self._epoch_steps, self._sync_due = 0, 0, False
-        if self.sampler._schedule.benching and self._steps_done >= 2:
-            # every rank meets: who trains this epoch (after two steps, when torch's DDP
-            # has rebuilt its buckets, a collective of the whole group)
-            self.rebalance(after_draws=None, everyone=True)
+        self._epoch_samples, self._epoch_steps, self._epoch_total, self._sync_due = 0, 0, None, False
+        if self.sampler.local_batch_size == 0:
+            self._follow_as_spare()
+        elif self.sampler.benching and self._steps_done >= 2:
+            # who trains this epoch (after two steps: torch's DDP has rebuilt its buckets then,
+            # a collective of its whole group)
+            self.rebalance(after_draws=None, epoch_start=True)
         elif self.every is None and self._steps_done > 0:
             self.rebalance(after_draws=None)
         # The first step of an epoch also times what ran between epochs.
@@ -335,17 +345,17 @@ class Rebalancer:
 
     # -- the round --------------------------------------------------------------------
 
-    def rebalance(self, after_draws: Optional[int] = None, everyone: bool = False) -> RebalanceDecision:
+    def rebalance(self, after_draws: Optional[int] = None, epoch_start: bool = False) -> RebalanceDecision:
         """One re-balancing round; a collective, call it on every training rank at the same point.
 
-        Called for you every ``every`` steps / ``seconds`` seconds among the
-        training ranks, and at each epoch start on every rank when benching
-        (``everyone``: the only round that benches or calls back a rank). A
-        round without measurements on some training rank keeps the split.
+        Called for you every ``every`` steps / ``seconds`` seconds, and at each
+        epoch start when benching (the only round that calls a benched rank
+        back: the first training rank then tells every benched rank the new
+        split). A round without measurements on some training rank keeps the split.
 
         Args:
             after_draws: passed to :meth:`DistributedSampler.set_split`.
-            everyone: a round of every rank, benched ones included.
+            epoch_start: the round in ``sampler.set_epoch``.
 
         Returns:
             The decision, also appended to :attr:`history`.
@@ -359,20 +369,20 @@ class Rebalancer:
                 self.smoothing * fit.per_sample_s + (1 - self.smoothing) * old_cost.per_sample_s)
         old = self.sampler.split
         training = [r for r, n in enumerate(old) if n > 0]
-        ranks = list(range(self.world)) if everyone else training
-        costs, comm, caps, measured, ahead = self._exchange(ranks, everyone)
+        costs, comm, caps, measured, ahead = self._exchange(training, self.group)
         if comm is not None and len(training) > 1:
             self._exchange_s = comm
-        # Benching: at an epoch start, or between steps of whole batches (the lead of the
-        # loaders that draw ahead is known); calling back only at an epoch start.
-        bench = self.sampler._schedule.benching and self._steps_done >= 2 and (
-            everyone or (after_draws == 0 and self._one_micro))
+        # Benching: at an epoch start, or once an epoch between steps of whole batches (the
+        # lead of the loaders that draw ahead is known); calling back only at an epoch start.
+        bench = self.sampler.benching and self._steps_done >= 2 and (
+            epoch_start or (after_draws == 0 and self._one_micro and 0 not in old))
+        candidates = [r for r in range(self.world) if costs[r].known] if epoch_start else training
         new, applied, predicted = list(old), False, 0.0
         if all(costs[r].known for r in training):
             try:
                 decision = solve_split(
                     self.sampler.global_batch_size, costs, self._vendor_groups, self._exchange_s, old,
-                    self.sampler.min_batch_size, caps, allow_bench=bench, training=None if everyone else training)
+                    self.sampler.min_batch_size, caps, allow_bench=bench, training=candidates)
                 predicted = decision.current_s
                 if decision.predicted_s < decision.current_s * (1.0 - self.min_gain):
                     new, predicted = decision.split, decision.predicted_s
@@ -380,7 +390,7 @@ class Rebalancer:
             except SplitError as exc:
                 _log.warning("re-balancing skipped: %s", exc)
         staying = [r for r, n in enumerate(new) if n > 0]
-        if new != old and not everyone and staying != training:
+        if new != old and not epoch_start and staying != training:
             # Benched from the first batch no loader has drawn yet: the trainers change
             # groups at that step, the benched rank's pass over the epoch ends there.
             lead = max(ahead)
@@ -389,15 +399,12 @@ class Rebalancer:
             if dist.get_rank(self.world_group) in staying:
                 self._group_of(staying)
             applied = True
-        elif new != old or everyone:  # the epoch start's decision also replaces a change still waiting
+        elif new != old or epoch_start:  # the epoch start's decision also replaces a change still waiting
             self.sampler.set_split(new, after_draws=after_draws)
             applied = new != old
-        if everyone:
+        if epoch_start:
             self._switch = None
-            if any(was == 0 and now > 0 for was, now in zip(old, new)):
-                # called back: the whole state again, now that the trainers' steps are complete
-                # (the end-of-epoch copy left before their last LR-schedule step)
-                self._sync_spares()
+            self._tell_spares(old, new)
             self._train_in(staying)
         decision_record = RebalanceDecision(
             step=self._step, epoch=self.sampler.epoch, per_sample_s=[c.per_sample_s for c in costs],
@@ -418,20 +425,23 @@ class Rebalancer:
     def _fit_window_done(self) -> None:
         self._comm, self._busy = [0.0, 0], [0.0, 0]
 
-    def _exchange(self, ranks: List[int], everyone: bool):
-        """Every rank's fitted cost, the exchange time, the caps and the measured step, the same
-        on every rank; ``ranks``: the world ranks of the round's group, in its rank order."""
+    def _exchange(self, ranks: List[int], group: dist.ProcessGroup):
+        """The round's exchange among ``ranks`` (the world ranks of ``group``, in its rank order):
+        every rank's fitted cost (a benched rank's: its last, kept by every rank), the exchange
+        time, the caps, the measured step and the loaders' leads, the same on every rank."""
         cost = self._cost if self._cost is not None else StepCost(0.0, 0.0)
         comm = self._comm[0] / self._comm[1] if self._comm[1] else -1.0
         busy = self._busy[0] / self._busy[1] if self._busy[1] else -1.0
         own = [cost.fixed_s, cost.per_sample_s, comm, busy,
-               float(self._own_cap) if self._own_cap is not None else 0.0, 0.0 if everyone else self._ahead()]
-        table = gather_per_rank(own, self.world_group if everyone else self.group, self._device)
-        costs = [StepCost(0.0, 0.0)] * self.world
-        caps: List[Optional[int]] = [None] * self.world
+               float(self._own_cap) if self._own_cap is not None else 0.0,
+               self._ahead() if self.sampler.local_batch_size > 0 else 0.0]
+        table = gather_per_rank(own, group, self._device)
+        caps: List[Optional[int]] = list(self._known_caps)
         for r, row in zip(ranks, table):
-            costs[r] = StepCost(row[0], row[1])
+            self._known[r] = StepCost(row[0], row[1])
             caps[r] = int(row[4]) if row[4] > 0 else None
+        self._known_caps = list(caps)
+        costs = list(self._known)
         if self._caps is not None:
             caps = [None if c is None else int(c) for c in self._caps]
         # the rank that waited least in the exchange waited for nobody: its time is the exchange's
@@ -441,8 +451,8 @@ class Rebalancer:
         return costs, (min(comms) if comms else None), caps, (max(steps) if steps else 0.0), ahead
 
     def _say_why(self, decision, old: List[int], costs: List[StepCost]) -> None:
-        """Rank 0 logs each bench and call-back with its reason."""
-        if dist.get_rank(self.world_group) != 0:
+        """The first training rank logs each bench and call-back with its reason."""
+        if dist.get_rank(self.world_group) != next(r for r, n in enumerate(old) if n > 0):
             return
         for r, (was, now) in enumerate(zip(old, decision.split)):
             if (was > 0) == (now > 0):
@@ -476,43 +486,100 @@ class Rebalancer:
     def _after_optimizer_step(self) -> None:
         if self._sync_due:
             self._sync_due = False
-            self._sync_spares()
+            self._send_state()
+
+    def _source(self) -> int:
+        """The rank that tells the benched ones: the first that trains."""
+        return next(r for r, n in enumerate(self.sampler.split) if n > 0)
+
+    def _spares(self) -> List[int]:
+        return [r for r, n in enumerate(self.sampler.split) if n == 0]
+
+    def _tell_spares(self, old: List[int], new: List[int]) -> None:
+        """At an epoch start, the first training rank sends each benched rank the new split (and the
+        whole state to one called back: the trainers' steps are complete now, their last LR-schedule
+        step included, which the end-of-epoch copy left before)."""
+        source = next(r for r, n in enumerate(old) if n > 0)
+        if dist.get_rank(self.world_group) != source:
+            return
+        spares = [r for r, n in enumerate(old) if n == 0]
+        # the split, and what it was decided from: a rank called back decides with the others next
+        message = torch.tensor([self.sampler.epoch, *new, *(c.fixed_s for c in self._known),
+                                *(c.per_sample_s for c in self._known), self._exchange_s], dtype=torch.float64)
+        self._send([message], spares)
+        called_back = [r for r in spares if new[r] > 0]
+        if called_back:
+            self._send_state(called_back)
+
+    def _follow_as_spare(self) -> None:
+        """A benched rank at an epoch start: the first training rank's word on the new split."""
+        source = self._source()
+        world = self.world
+        message = torch.empty(3 * world + 2, dtype=torch.float64)
+        dist.recv(message, source, group=self.world_group)
+        values = message.tolist()
+        epoch, new = int(values[0]), [int(n) for n in values[1:world + 1]]
+        if epoch != self.sampler.epoch or sum(new) != self.sampler.global_batch_size or min(new) < 0:
+            raise TrainingError(f"re-balancer: rank {source} sent split {new} for epoch {epoch} to a benched rank "
+                                f"at epoch {self.sampler.epoch} (ranks at different epochs?)")
+        self._known = [StepCost(a, b) for a, b in zip(values[world + 1:2 * world + 1], values[2 * world + 1:3 * world + 1])]
+        self._exchange_s = values[-1]
+        old = self.sampler.split
+        self.sampler.set_split(new, after_draws=None)
+        me = dist.get_rank(self.world_group)
+        if new[me] > 0:
+            self._receive_state(source)
+            self._train_in([r for r, n in enumerate(new) if n > 0])
+            self._skip = self.warmup_steps
+        self.history.append(RebalanceDecision(step=self._step, epoch=epoch, per_sample_s=[], old=old, new=new,
+                                              applied=new != old))
 
     def _serve_as_spare(self, epoch: int) -> None:
         """A benched rank's pass over an epoch: it waits for the epoch's end and takes the state."""
-        self._sync_spares()
+        self._receive_state(self._source())
 
-    def _sync_spares(self) -> None:
-        """The first training rank hands the model, the optimizer's state and ``state`` to everyone
-        (a collective of every rank: the training ones after the epoch's last step).
+    def _send(self, tensors: List[torch.Tensor], ranks: List[int]) -> None:
+        """Sends ``tensors`` to each of ``ranks`` without waiting; they are kept until they arrive."""
+        self._sending = [(works, kept) for works, kept in self._sending if not all(w.is_completed() for w in works)]
+        works = [dist.isend(t, r, group=self.world_group) for r in ranks for t in tensors]
+        self._sending.append((works, tensors))
+
+    def _send_state(self, spares: Optional[List[int]] = None) -> None:
+        """The first training rank sends the model, the optimizer's state and ``state`` to the
+        benched ranks, without waiting for them: a copy goes out while it trains on.
 
         Tensors travel as tensors, each into its place (a benched rank on a slow
         device spends its time receiving, not unpickling); the rest of the
-        states' structure travels once, pickled, with the tensors' shapes.
+        states' structure travels pickled, with the tensors' shapes.
         """
+        if dist.get_rank(self.world_group) != self._source():
+            return
+        spares = self._spares() if spares is None else spares
+        model = self._model_ref()
+        leaves: List[torch.Tensor] = []
+        blob = pickle.dumps(_skeleton([obj.state_dict() for obj in [self.optimizer, *self.state]], leaves))
+        with torch.no_grad():  # a snapshot: the next steps change the originals
+            tensors = [t.detach().clone() for t in [*model.module.parameters(), *model.module.buffers(), *leaves]]
+        self._send([torch.tensor([len(blob)], dtype=torch.int64),
+                    torch.frombuffer(bytearray(blob), dtype=torch.uint8), *tensors], spares)
+
+    def _receive_state(self, source: int) -> None:
+        """A benched rank takes the state the first training rank sends (see :meth:`_send_state`)."""
         model = self._model_ref()
         group = self.world_group
-        source = next(r for r, n in enumerate(self.sampler.split) if n > 0)
-        sending = dist.get_rank(group) == source
-        leaves: List[torch.Tensor] = []
-        skeleton = _skeleton([obj.state_dict() for obj in [self.optimizer, *self.state]], leaves) if sending else None
-        blob = pickle.dumps(skeleton) if sending else b""
-        size = torch.tensor([len(blob)], dtype=torch.int64)
-        dist.broadcast(size, src=source, group=group)
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, source, group=group)
         if not 0 < int(size) <= _MAX_SKELETON:
-            raise TrainingError(f"re-balancer: rank {source} sent a state of {int(size)} bytes for the spares")
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if sending else torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, src=source, group=group)
-        if not sending:
-            skeleton = pickle.loads(data.numpy().tobytes())
-            leaves = [torch.empty(shape, dtype=dtype) for shape, dtype in _leaf_specs(skeleton)]
+            raise TrainingError(f"re-balancer: rank {source} sent a state of {int(size)} bytes to a benched rank")
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, source, group=group)
+        skeleton = pickle.loads(data.numpy().tobytes())
+        leaves = [torch.empty(shape, dtype=dtype) for shape, dtype in _leaf_specs(skeleton)]
         with torch.no_grad():
             for tensor in [*model.module.parameters(), *model.module.buffers(), *leaves]:
-                dist.broadcast(tensor.data, src=source, group=group)
-        if not sending:
-            states = _filled(skeleton, iter(leaves))
-            for obj, state in zip([self.optimizer, *self.state], states):
-                obj.load_state_dict(state)
+                dist.recv(tensor.data, source, group=group)
+        for obj, state in zip([self.optimizer, *self.state], _filled(skeleton, iter(leaves))):
+            obj.load_state_dict(state)
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -521,7 +588,7 @@ class Rebalancer:
 
         The same on every rank, so a ``torch.distributed.checkpoint`` keeps one copy.
         """
-        costs = self._exchange(list(range(self.world)), everyone=True)[0]
+        costs = self._exchange(list(range(self.world)), self.world_group)[0]
         return {"per_sample_s": [c.per_sample_s for c in costs], "fixed_s": [c.fixed_s for c in costs],
                 "exchange_s": self._exchange_s, "step": self._step, "world": self.world}
 

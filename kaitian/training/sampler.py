@@ -148,6 +148,16 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """The smallest batch any rank gets in any step."""
         return self._schedule.minimum
 
+    @property
+    def benching(self) -> bool:
+        """Whether a rank may get no samples (a benched rank: see :meth:`enable_benching`)."""
+        return self._schedule.benching
+
+    def enable_benching(self) -> None:
+        """Lets a split give a rank no samples; only for a caller that then takes that rank out of
+        every per-step collective (:class:`kaitian.Rebalancer` with the optimizer does)."""
+        self._schedule.benching = True
+
     def require_min_batch_size(self, minimum: int) -> None:
         """Raises :attr:`min_batch_size` (e.g. to 2 for BatchNorm), re-splitting if a rank is below it;
         call it alike on every rank."""

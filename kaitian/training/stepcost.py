@@ -59,10 +59,13 @@ class StepCostFit:
 
     Args:
         window: how many recent steps the fit uses.
+        half_life: a step's weight halves with every this many newer steps, so
+            that the fit follows a device that slows down or speeds up.
     """
 
-    def __init__(self, window: int = 48) -> None:
+    def __init__(self, window: int = 48, half_life: float = 12.0) -> None:
         self.points: Deque[Tuple[int, float]] = deque(maxlen=window)
+        self.half_life = half_life
 
     def add(self, samples: int, seconds: float) -> None:
         if samples > 0 and seconds > 0 and math.isfinite(seconds):
@@ -81,17 +84,22 @@ class StepCostFit:
         return (max(sizes) - min(sizes)) / mean >= ALIKE
 
     def cost(self) -> StepCost:
-        """The least-squares fit; with alike batch sizes all of the time is taken as per sample
-        (``a = 0``), the cautious reading: it never benches a rank for a fixed cost it has not seen."""
+        """The weighted least-squares fit; with alike batch sizes all of the time is taken as per
+        sample (``a = 0``), the cautious reading: it never benches a rank for a fixed cost it has not seen."""
         if not self.points:
             return StepCost(0.0, 0.0)
         n = [float(p[0]) for p in self.points]
         t = [p[1] for p in self.points]
-        mean_n, mean_t = sum(n) / len(n), sum(t) / len(t)
+        w = [0.5 ** ((len(n) - 1 - i) / self.half_life) for i in range(len(n))]
+        total = sum(w)
+        mean_n = sum(wi * x for wi, x in zip(w, n)) / total
+        mean_t = sum(wi * y for wi, y in zip(w, t)) / total
         if not self.varied:
             return StepCost(0.0, mean_t / mean_n)
-        var = sum((x - mean_n) ** 2 for x in n)
-        slope = sum((x - mean_n) * (y - mean_t) for x, y in zip(n, t)) / var
+        var = sum(wi * (x - mean_n) ** 2 for wi, x in zip(w, n))
+        slope = sum(wi * (x - mean_n) * (y - mean_t) for wi, x, y in zip(w, n, t)) / var
+        if var <= 1e-12 * total * mean_n ** 2:  # the recent steps, which weigh, are alike
+            return StepCost(0.0, mean_t / mean_n)
         # Noise can make either part negative; keep both physical and the fit's mean.
         slope = min(max(slope, 0.02 * mean_t / mean_n), mean_t / mean_n)
         return StepCost(mean_t - slope * mean_n, slope)

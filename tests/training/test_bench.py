@@ -46,11 +46,12 @@ def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_ex
         log0 = tail(run.logs[0], 1000)
     finally:
         cleanup(run)
-    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=6)
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=7)
     for r in (r0, r1):  # the spare's copy too: it received the state at each epoch's end
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
         assert abs(r["lr"] - lr) < 1e-15
     epochs_of = lambda r: {epoch for epoch, _, _ in r["trained"]}  # noqa: E731
-    assert epochs_of(r1) != set(range(6)), r0["history"]  # rank 1 was benched for whole epochs
-    assert 5 in epochs_of(r1) and 1 not in epochs_of(r1), r0["history"]  # ... and called back when rank 0 slowed
+    # rank 1 (50 ms a step) is benched for a whole epoch soon, and trains again at the end, once
+    # rank 0 costs 300 ms a step (from epoch 2)
+    assert not {1, 2} <= epochs_of(r1) and 6 in epochs_of(r1), (r0["history"], r1["history"])
     assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0

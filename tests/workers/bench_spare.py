@@ -38,8 +38,8 @@ def drawing_ahead(loader, ahead=2):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--turn", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=7)
+    p.add_argument("--turn", type=int, default=2)
     p.add_argument("--slow0", type=float, default=0.3)
     p.add_argument("--slow1", type=float, default=0.05)
     args, _ = p.parse_known_args()
@@ -77,7 +77,8 @@ def main():
         json.dump({
             "rank": rank, "trained": trained, "shares": shares, "lr": opt.param_groups[0]["lr"],
             "weights": [p.detach().reshape(-1).tolist() for p in net.parameters()],
-            "history": [[d.step, d.epoch, d.old, d.new] for d in balancer.history],
+            "history": [[d.step, d.epoch, d.old, d.new, [round(a, 4) for a in d.fixed_s],
+                         [round(b, 5) for b in d.per_sample_s]] for d in balancer.history],
             "exchange": balancer.state_dict()["exchange_s"],
         }, f)
     del model, balancer, opt, loader
