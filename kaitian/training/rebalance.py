@@ -522,7 +522,8 @@ class Rebalancer:
         if epoch != self.sampler.epoch or sum(new) != self.sampler.global_batch_size or min(new) < 0:
             raise TrainingError(f"re-balancer: rank {source} sent split {new} for epoch {epoch} to a benched rank "
                                 f"at epoch {self.sampler.epoch} (ranks at different epochs?)")
-        self._known = [StepCost(a, b) for a, b in zip(values[world + 1:2 * world + 1], values[2 * world + 1:3 * world + 1])]
+        fixed, per_sample = values[world + 1:2 * world + 1], values[2 * world + 1:3 * world + 1]
+        self._known = [StepCost(a, b) for a, b in zip(fixed, per_sample)]
         self._exchange_s = values[-1]
         old = self.sampler.split
         self.sampler.set_split(new, after_draws=None)

@@ -63,8 +63,8 @@ def test_the_solver_finds_the_best_split_over_every_subset(seed):
     groups = [f"g{rng.randint(0, 1)}" for _ in range(world)]
     exchange = rng.choice([0.0, 0.002, 0.02])
     total = rng.randint(world, 24)
-    decision = solve_split(total, costs, groups, exchange, [total // world] * (world - 1) + [total - total // world * (world - 1)],
-                           allow_bench=True)
+    current = [total // world] * (world - 1) + [total - total // world * (world - 1)]
+    decision = solve_split(total, costs, groups, exchange, current, allow_bench=True)
     assert sum(decision.split) == total
     assert decision.predicted_s == pytest.approx(_brute_force(total, costs, exchange), abs=1e-12)
     for group, alone in decision.alone_s.items():  # never slower than a vendor group alone
