@@ -237,7 +237,7 @@ class AgentMonitor:
             rate = _smoothed_rate(recs)
             axes[0].plot(t, rate, color=colour, label=label, lw=1.2)
             # the split: full steps only (an epoch's short last step would read as a dip)
-            full = max(r.get("global_samples", 0) for r in recs)
+            full = _full_step_samples(recs)
             split = [(ti, r["samples"]) for ti, r in zip(t, recs) if r.get("global_samples", 0) == full]
             axes[1].step([a for a, _ in split], [b for _, b in split], where="post", color=colour,
                          label=label, lw=1.2)
@@ -326,9 +326,14 @@ def split_wait(steps: Dict[int, List[dict]]) -> Dict[int, List[Tuple[float, floa
     return out
 
 
+def _full_step_samples(recs: List[dict]) -> int:
+    """The global batch of a full step (an epoch's short last step has fewer samples)."""
+    return max(r.get("global_samples", 0) for r in recs)
+
+
 def _full_step_batch(recs: List[dict]) -> int:
     """A rank's batch in its last full step (an epoch's short last step is not the split)."""
-    full = max(r.get("global_samples", 0) for r in recs)
+    full = _full_step_samples(recs)
     return next((r["samples"] for r in reversed(recs) if r.get("global_samples", 0) == full), recs[-1]["samples"])
 
 

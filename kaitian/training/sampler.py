@@ -229,7 +229,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         perm = self._permutation()
         indices = [perm[i % len(perm)] for i in range(start, start + sizes[self.rank])]  # wraps round: padding
         self._epoch_step = step + 1
-        self._unclaimed.append(HandedBatch(step, len(indices)))
+        if indices:  # a benched rank's empty draw is no batch
+            self._unclaimed.append(HandedBatch(step, len(indices)))
         return indices
 
     def claim_batch(self) -> HandedBatch:
@@ -266,13 +267,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         self.first_step = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.yielded = 0
         self._unclaimed.clear()  # a new pass over the epoch: what the last one left untrained is void
-        if self.local_batch_size == 0:  # benched for this epoch: a hot spare, no batch
-            self._spare_listeners(self.epoch)
-            return
         for step in range(self.first_step, self.num_steps):
             indices = self.draw(step) if follow_split else self._cut(step)
-            if not indices:  # benched from this step on: the pass ends here
-                self._unclaimed.pop()
+            if not indices:  # benched (from the epoch's start or from this step): a hot spare, no batch
                 self._spare_listeners(self.epoch)
                 return
             yield indices

@@ -219,8 +219,11 @@ class SplitSchedule:
             raise SplitError(f"a minimum batch of {minimum} per rank needs a global batch of at least "
                              f"{minimum * len(self.current)}, not {self.global_batch_size}; raise batch_size")
         self.minimum = minimum
-        lift = lambda sizes: _over_training_ranks(  # noqa: E731
-            sizes, lambda shares: proportional_split(self.global_batch_size, shares, minimum=minimum))
+
+        def lift(sizes: Sequence[int]) -> List[int]:
+            return _over_training_ranks(
+                sizes, lambda shares: proportional_split(self.global_batch_size, shares, minimum=minimum))
+
         self.current = lift(self.current)
         if self._pending is not None:
             sizes, at = self._pending
