@@ -180,14 +180,20 @@ def test_exec_spec_maps_host_python_and_keeps_job_env():
                    env=env, cwd="/home/u/proj", pid_file="/tmp/kaitian-0/1.pid",
                    host_python=["/host/bin/python3"], image_python="python3")
     assert ex.cmd[:3] == ("sh", "-c", WRAPPER_SCRIPT)
-    assert ex.cmd[3:] == ("/tmp/kaitian-0/1.pid", "2-3", "python3", "-u", "train.py", "3")
+    assert ex.cmd[3:] == ("/tmp/kaitian-0/1.pid", "2-3", "", "", "python3", "-u", "train.py", "3")
     assert ex.env == {"RANK": "5", "KAITIAN_GROUP": "cpu1", "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500",
                       "HOME": "/tmp"}  # HOME: the container's private tmpfs
     assert ex.user == "1000:1000" and ex.workdir == "/home/u/proj"
     assert "RANK=5" in ex.env_list()
     other = exec_spec(worker=w, container=container, entrypoint="/opt/bin/tool", args=(), env={"TMPDIR": "/elsewhere"},
                       cwd="/", pid_file="/p", host_python=["/host/bin/python3"])
-    assert other.cmd[5] == "/opt/bin/tool" and "TMPDIR" not in other.env
+    assert other.cmd[7] == "/opt/bin/tool" and "TMPDIR" not in other.env
+    # Log files the container sees are written by the worker itself; others come through the stream.
+    mounted = container.mounts[0].target
+    logged = exec_spec(worker=w, container=container, entrypoint="/opt/bin/tool", args=(), env={}, cwd="/",
+                       pid_file="/p", stdout=os.path.join(mounted, "0", "stdout.log"), stderr="/not/mounted/err.log")
+    assert (logged.stdout, logged.stderr) == (os.path.join(mounted, "0", "stdout.log"), "")
+    assert logged.cmd[5:7] == (logged.stdout, "")
 
 
 def test_stop_command_and_exit_codes():
@@ -199,6 +205,19 @@ def test_stop_command_and_exit_codes():
     assert exit_code_from_docker(137) == -9
     assert exit_code_from_docker(143) == -15
     assert exit_code_from_docker(None) == -9
+
+
+def test_wrapper_writes_the_workers_output_to_its_log_files(tmp_path):
+    """Given log files, the worker's own output goes there, appended, and nothing
+    through the exec's stream, which can drop the last lines of a process that
+    exits (CI lost "crash-log from rank 0" of a failed job's kept logs)."""
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    out.write_text("earlier\n")
+    script = "import sys; print('last words'); sys.stderr.write('traceback\\n'); raise SystemExit(3)"
+    proc = subprocess.run(["sh", "-c", WRAPPER_SCRIPT, str(tmp_path / "pid"), "", str(out), str(err),
+                           sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stdout == proc.stderr == ""
+    assert out.read_text() == "earlier\nlast words\n" and err.read_text() == "traceback\n"
 
 
 def test_wrapper_records_pid_pins_and_makes_a_process_group(tmp_path):
@@ -214,7 +233,7 @@ def test_wrapper_records_pid_pins_and_makes_a_process_group(tmp_path):
         "print(os.getpid(), os.getpgid(0), sorted(os.sched_getaffinity(0)), flush=True)\n"
         "time.sleep(300)\n"
     )
-    proc = subprocess.Popen(["sh", "-c", WRAPPER_SCRIPT, str(pid_file), "0", sys.executable, "-c", script],
+    proc = subprocess.Popen(["sh", "-c", WRAPPER_SCRIPT, str(pid_file), "0", "", "", sys.executable, "-c", script],
                             stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().split(maxsplit=2)

@@ -86,16 +86,22 @@ class _Exec:
         """A writer for one stream: the rank's log file, or the console with a prefix.
 
         Output arrives in arbitrary chunks; only whole lines are written, so the
-        tee (which tails the file line by line) never splits a line.
+        tee (which tails the file line by line) never splits a line. The file is
+        opened at the first line only: a worker that writes its log itself
+        creates it as its own user, and its stream brings at most the wrapper's
+        complaints.
         """
         if path:
-            f = open(path, "ab", buffering=0)  # noqa: SIM115 (closed by the returned closer)
+            files: List[IO[bytes]] = []
 
             def emit(lines: List[bytes]) -> None:
-                f.write(b"".join(line + b"\n" for line in lines))
+                if not files:
+                    files.append(open(path, "ab", buffering=0))  # noqa: SIM115 (closed by finish)
+                files[0].write(b"".join(line + b"\n" for line in lines))
 
             def finish() -> None:
-                f.close()
+                for f in files:
+                    f.close()
         else:
             prefix = self._prefix
 

@@ -359,6 +359,8 @@ class DockerRuntime(Runtime):
                 env={**os.environ, **pc.envs[rank], **self.ctx.plan.visible_env(w, container.devices)},
                 cwd=cwd,
                 pid_file=os.path.join(pid_dir, f"{w.local_rank}.pid"),  # a worker restarted alone is key 0
+                stdout=pc.stdouts[rank],
+                stderr=pc.stderrs[rank],
                 host_python=sorted(host_python),
                 image_python=self._image(container.image).python,
             )

@@ -22,12 +22,16 @@ MAIN_KEPT = ("sleep", "infinity")
 
 # Records the worker's in-container pid (which is also its process group: a
 # docker exec starts a new session; where a runtime does not, setsid makes one
-# without forking), pins it to its slot's cores, then becomes the worker itself
-# so the exec's exit code is the worker's.
+# without forking), sends its output straight to its log files when it has
+# them (the Engine's exec stream can drop the last lines of a process that
+# exits: a crashed worker's traceback), pins it to its slot's cores, then
+# becomes the worker itself so the exec's exit code is the worker's.
 WRAPPER_SCRIPT = (
-    'pidfile=$0; cpus=$1; shift; '
+    'pidfile=$0; cpus=$1; out=$2; err=$3; shift 3; '
     'read -r _ _ _ _ pgrp _ < /proc/$$/stat; '
     'echo $$ > "$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"; '
+    'if [ -n "$out" ]; then exec >>"$out"; fi; '
+    'if [ -n "$err" ]; then exec 2>>"$err"; fi; '
     'if [ -n "$cpus" ] && command -v taskset >/dev/null 2>&1; then set -- taskset -c "$cpus" "$@"; fi; '
     'if [ "$pgrp" != "$$" ]; then set -- setsid "$@"; fi; '
     'exec "$@"'

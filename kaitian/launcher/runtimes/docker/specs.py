@@ -42,7 +42,7 @@ from kaitian.launcher.runtimes.docker.labels import (
     AgentIdentity,
 )
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
-from kaitian.launcher.runtimes.docker.paths import outermost
+from kaitian.launcher.runtimes.docker.paths import inside, outermost
 from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT
 
 __all__ = [
@@ -176,6 +176,9 @@ class ExecSpec:
         workdir: working directory (the user's cwd, mounted at the same path).
         user: ``uid:gid`` the worker runs as (the container's user).
         pid_file: host path where the wrapper writes the in-container pid.
+        stdout: host path (in a mount) the worker itself writes its stdout to;
+            ``""``: it comes through the exec's stream.
+        stderr: the same for stderr.
     """
 
     local_rank: int
@@ -185,6 +188,8 @@ class ExecSpec:
     workdir: str
     user: str
     pid_file: str
+    stdout: str = ""
+    stderr: str = ""
 
     def env_list(self) -> List[str]:
         """``KEY=value`` strings, as the Engine API takes them."""
@@ -366,6 +371,8 @@ def exec_spec(
     env: Mapping[str, str],
     cwd: str,
     pid_file: str,
+    stdout: str = "",
+    stderr: str = "",
     host_python: Sequence[str] = (),
     image_python: str = "python3",
 ) -> ExecSpec:
@@ -379,6 +386,9 @@ def exec_spec(
         env: the worker's full environment as the agent and the runtime built it.
         cwd: working directory (mounted at the same path).
         pid_file: host path (in the mounted run dir) for the in-container pid.
+        stdout: the worker's stdout log file (``""``: none); written by the
+            worker itself when a mount shows it, else streamed.
+        stderr: the same for stderr.
         host_python: paths of the host's interpreter; an entrypoint equal to one
             of them is replaced by the image's python.
         image_python: the image's python (``org.kaitian.python`` label or ``python3``).
@@ -388,8 +398,9 @@ def exec_spec(
     """
     program = image_python if entrypoint in set(host_python) else entrypoint
     cpus = format_cpulist(worker.cpus) if worker.cpus else ""
-    cmd = ("sh", "-c", WRAPPER_SCRIPT, pid_file, cpus, program, *[str(a) for a in args])
     mounted = [m.target for m in container.mounts]
+    stdout, stderr = (path if path and any(inside(path, m) for m in mounted) else "" for path in (stdout, stderr))
+    cmd = ("sh", "-c", WRAPPER_SCRIPT, pid_file, cpus, stdout, stderr, program, *[str(a) for a in args])
     return ExecSpec(
         local_rank=worker.local_rank,
         group=container.group,
@@ -398,4 +409,6 @@ def exec_spec(
         workdir=cwd,
         user=container.user,
         pid_file=pid_file,
+        stdout=stdout,
+        stderr=stderr,
     )
