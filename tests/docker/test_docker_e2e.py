@@ -179,7 +179,7 @@ def test_worker_killed_inside_its_container_is_restarted(tmp_path, image):
 
 
 def test_failed_job_removes_its_containers_and_keeps_its_logs(tmp_path, image):
-    """-r 3, no --log-dir: the workers' output (streamed from their containers)
+    """-r 3, no --log-dir: the workers' output (written from their containers)
     survives the failed run at the printed path; the containers do not."""
     out = tmp_path / "out"
     own(str(out))
