@@ -38,9 +38,10 @@
   other dimensions must agree across ranks);
 * ``backward(loss, count=None, total=None)`` scales the loss with
   :func:`kaitian.scale_loss` first, given the sampler of the loader being
-  iterated (``count`` defaults to the size of the batch being trained, which
-  the sampler keeps in hand-out order: Accelerate's loader draws one batch
-  ahead; stock DDP then averages to the exact global-batch mean). With
+  iterated (``count`` defaults to the size of the batch the loader yielded
+  last: it draws ahead, so the loader records which of the sampler's batches
+  it yields; several ``backward`` calls on one batch all count it; stock DDP
+  then averages to the exact global-batch mean). With
   ``gradient_accumulation_steps`` and no ``total``, each micro-batch is the
   global mean of its own samples divided by the steps, as Accelerate does in
   one process. ``total="window"`` makes each optimizer step exactly the mean
@@ -91,6 +92,31 @@ def _init_kaitian(handlers: list) -> list:
     return out
 
 
+def _claiming(loader_type: type) -> type:
+    """``loader_type`` (Accelerate's prepared loader) that records, as it yields
+    each batch, which of its sampler's handed-out batches that is (``kaitian_batch``):
+    the loader draws ahead, and a batch may take several ``backward`` calls (a GAN's
+    two losses, two models), so neither the last batch drawn nor one claim per
+    ``backward`` names the batch being trained."""
+    if loader_type not in _CLAIMING:
+        def __iter__(self):
+            sampler = kaitian_sampler_of(self)
+            skipped = getattr(self, "skip_batches", 0)  # drawn, never yielded
+            for batch in super(claiming, self).__iter__():
+                for _ in range(skipped):
+                    sampler.claim_batch()
+                skipped = 0
+                self.kaitian_batch = sampler.claim_batch()
+                yield batch
+
+        claiming = type(f"Kaitian{loader_type.__name__}", (loader_type,), {"__iter__": __iter__})
+        _CLAIMING[loader_type] = claiming
+    return _CLAIMING[loader_type]
+
+
+_CLAIMING: dict = {}
+
+
 class Accelerator(accelerate.Accelerator):
     """``accelerate.Accelerator`` for heterogeneous ranks (see the module docstring)."""
 
@@ -114,6 +140,8 @@ class Accelerator(accelerate.Accelerator):
         prepared = prepare_data_loader(data_loader, self.device, num_processes=1, process_index=0,
                                        split_batches=False, put_on_device=device_placement, rng_types=None,
                                        dispatch_batches=False, non_blocking=self.non_blocking)
+        # (Accelerate's loaders answer __class__ with the wrapped DataLoader's)
+        object.__dict__["__class__"].__set__(prepared, _claiming(type(prepared)))
         self._dataloaders.append(prepared)
         return prepared
 
@@ -153,8 +181,10 @@ class Accelerator(accelerate.Accelerator):
                     f"kaitian.accelerate: backward(loss, total={total!r}) needs total='window', no count= and a "
                     "loader on kaitian's sampler (the window's count comes from its split); "
                     "otherwise pass total=kaitian.global_count(...) over the window")
-            batch = sampler.claim_batch()
+            batch = self.gradient_state.active_dataloader.kaitian_batch
             count, total = batch.size, self._window_samples(sampler, batch.step)
+        elif sampler is not None and count is None:
+            count = self.gradient_state.active_dataloader.kaitian_batch.size
         scaled = scale_loss(loss, count=count, total=total, sampler=sampler)
         if total is not None:
             # total spans the whole window already; Accelerate's backward divides
