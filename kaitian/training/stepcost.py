@@ -34,6 +34,8 @@ __all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split
 
 # Batch sizes whose spread (relative to their mean) is below this cannot tell a from b.
 ALIKE = 0.05
+# Steps a fit needs before a step far off it counts as a change of regime.
+_SETTLED = 4
 # Up to this many ranks every subset is tried (4096 split computations); beyond, whole vendor
 # groups and the fastest ranks of them.
 _EVERY_SUBSET = 12
@@ -66,13 +68,36 @@ class StepCostFit:
     def __init__(self, window: int = 48, half_life: float = 12.0) -> None:
         self.points: Deque[Tuple[int, float]] = deque(maxlen=window)
         self.half_life = half_life
+        self._surprises = 0  # steps in a row far off the fit
 
     def add(self, samples: int, seconds: float) -> None:
-        if samples > 0 and seconds > 0 and math.isfinite(seconds):
-            self.points.append((int(samples), float(seconds)))
+        """Adds a step. Two steps in a row off what the fit expects (below half, or above one and
+        a half times) start a new fit from them: a device that became several times slower (or
+        faster) is a new regime, and a fit across both would read the change as a fixed cost."""
+        if not (samples > 0 and seconds > 0 and math.isfinite(seconds)):
+            return
+        if len(self.points) >= _SETTLED:
+            low, high = self._expected(samples)
+            self._surprises = self._surprises + 1 if not 0.5 * low <= seconds <= 1.5 * high else 0
+        self.points.append((int(samples), float(seconds)))
+        if self._surprises >= 2:
+            for _ in range(len(self.points) - 2):
+                self.points.popleft()
+            self._surprises = 0
+
+    def _expected(self, samples: int) -> Tuple[float, float]:
+        """The range a step of ``samples`` should take: the fit's prediction; from alike batch
+        sizes (fixed and per-sample parts unknown) anything from all-fixed to all-per-sample."""
+        cost = self.cost()
+        if self.varied:
+            return cost.at(samples), cost.at(samples)
+        mean_n = sum(n for n, _ in self.points) / len(self.points)
+        per_sample, fixed = cost.at(samples), cost.at(samples) * mean_n / samples
+        return min(per_sample, fixed), max(per_sample, fixed)
 
     def clear(self) -> None:
         self.points.clear()
+        self._surprises = 0
 
     @property
     def varied(self) -> bool:
@@ -97,11 +122,12 @@ class StepCostFit:
         if not self.varied:
             return StepCost(0.0, mean_t / mean_n)
         var = sum(wi * (x - mean_n) ** 2 for wi, x in zip(w, n))
-        slope = sum(wi * (x - mean_n) * (y - mean_t) for wi, x, y in zip(w, n, t)) / var
+        proportional = mean_t / mean_n
         if var <= 1e-12 * total * mean_n ** 2:  # the recent steps, which weigh, are alike
-            return StepCost(0.0, mean_t / mean_n)
+            return StepCost(0.0, proportional)
+        slope = sum(wi * (x - mean_n) * (y - mean_t) for wi, x, y in zip(w, n, t)) / var
         # Noise can make either part negative; keep both physical and the fit's mean.
-        slope = min(max(slope, 0.02 * mean_t / mean_n), mean_t / mean_n)
+        slope = min(max(slope, 0.02 * proportional), proportional)
         return StepCost(mean_t - slope * mean_n, slope)
 
 

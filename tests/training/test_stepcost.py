@@ -21,6 +21,23 @@ def test_the_fit_follows_a_rank_that_slows_down():
     assert fit.cost().at(32) > (before + now) / 2  # past the midpoint already (plain least squares: a quarter)
 
 
+def test_a_device_several_times_slower_is_a_new_regime_not_a_fixed_cost():
+    """5x slower per sample from one step on, while the split moves samples away from it (the
+    test_rebalance_online case): a fit across both regimes read the change as a fixed cost
+    (later steps: fewer samples, more time) and stopped moving samples."""
+    fit = StepCostFit()
+    for _ in range(10):
+        fit.add(64, 0.0001 * 64)
+    for n in [61, 61, 67, 53, 53, 45, 45]:
+        fit.add(n, 0.0005 * n)
+    cost = fit.cost()
+    assert cost.per_sample_s == pytest.approx(0.0005, rel=0.05) and cost.fixed_s < 0.001
+    steady = StepCostFit()  # noise well inside the fit's reach is no change of regime
+    for i in range(30):
+        steady.add(32 + i % 3, (0.0001 * 32) * (1.3 if i % 2 else 0.8))
+    assert len(steady.points) == 30
+
+
 def test_the_fit_separates_the_fixed_cost_from_the_per_sample_cost():
     fit = StepCostFit()
     rng = random.Random(0)
