@@ -77,6 +77,8 @@ _LATE = {
     "rendezvous_handler_registry": (_R + ".api", "rendezvous_handler_registry"),
     "create_dynamic_handler": (_R + ".dynamic_rendezvous", "create_handler"),
     "create_c10d_backend": (_R + ".c10d_rendezvous_backend", "create_backend"),
+    # the default process group's store (the re-balancer's word to benched ranks)
+    "default_store": ("torch.distributed.distributed_c10d", "_get_default_store"),
 }
 
 

@@ -44,25 +44,28 @@ def form(store, prefix: str, rank: int, world: int, timeout: float, setup_timeou
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
 
 
-def _first_failure() -> str:
-    """The default kaitian group's first failure ("" while it is healthy, or without one)."""
+def _first_failure(group: Optional[dist.ProcessGroup] = None) -> str:
+    """A kaitian group's first failure (default: the default group's; "" while it is healthy, or without one)."""
     if not dist.is_initialized():
         return ""
     try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        backend = pg._get_backend(torch.device("cpu"))
     except RuntimeError:
         return ""
     first = getattr(backend, "first_failure", None)
     return first() if first is not None else ""
 
 
-def loss_of(exc: BaseException) -> Optional[str]:
+def loss_of(exc: BaseException, training_group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
     """Why ``exc`` means a peer was lost (the group's first failure), or ``None`` for any other error.
 
     Fail-stop breaks the group on every rank after any failure in a collective;
-    an error that left it healthy (a bug in the script) is not a loss.
+    an error that left it healthy (a bug in the script) is not a loss. The
+    ranks that train may exchange in a subgroup (``training_group``: others
+    are benched); its failure counts too.
     """
-    failure = _first_failure()
+    failure = _first_failure() or (_first_failure(training_group) if training_group is not None else "")
     if failure:
         return failure
     seen = set()

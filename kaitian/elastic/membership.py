@@ -153,7 +153,8 @@ def decide(
     holders = [a for a in members if a.applied is not None]
     if not holders:
         return _failed(plan, "no member holds the training state (every worker that trained was lost)")
-    failures = [a.failure for a in survivors if a.failure]
+    # a benched rank (no share) sees the group end under its wait for state: a symptom, not a failure
+    failures = [a.failure for a in survivors if a.failure and a.share > 0]
     if failures and not excluded:
         return _failed(plan, f"the process group failed but no member was lost: {failures[0]}")
     nodes = {node_of(m) for m in ids}

@@ -119,7 +119,10 @@ class Trainer:
         ddp_kwargs: more arguments for the DDP wrapper.
         comm_hook: ``(state, hook)`` registered on every DDP wrapper.
         rebalance: ``True`` or :class:`kaitian.Rebalancer` keyword arguments
-            (kaitian's DDP only); ``None``: keep the split.
+            (kaitian's DDP only); ``None``: keep the split. A rank whose step
+            does not pay is benched as a hot spare (it receives the state at
+            each epoch's end, outside every step's collectives) and trains
+            again when it pays or when a training rank is lost.
         stateful: more objects with ``state_dict``/``load_state_dict`` (LR
             schedulers, counters) handed to joiners; their state must be plain
             data and tensors.
@@ -165,8 +168,8 @@ class Trainer:
         self._comm_hook = comm_hook
         self._rebalance_args = None if not rebalance else ({} if rebalance is True else dict(rebalance))
         if self._rebalance_args and {"optimizer", "state"} & set(self._rebalance_args):
-            raise ValueError("kaitian.elastic.Trainer re-forms its group itself: its re-balancer does not bench "
-                             "ranks (drop optimizer= and state= from rebalance)")
+            raise ValueError("kaitian.elastic.Trainer hands its re-balancer the optimizer and stateful= itself "
+                             "(drop optimizer= and state= from rebalance)")
         self.stateful = dict(stateful or {})
         self.timeout = float(timeout)
         self.quorum_timeout = float(quorum_timeout)
@@ -232,11 +235,16 @@ class Trainer:
                 self._train_step(step_fn, on_step)
                 continue
             except Exception as exc:  # noqa: BLE001 (sorted below: only a loss is handled)
-                failure = _group.loss_of(exc) if self._membership is not None else None
+                failure = None
+                if self._membership is not None:
+                    training = getattr(self.model, "training_group", None)
+                    failure = str(exc) if isinstance(exc, MemberLost) else _group.loss_of(exc, training)
                 if failure is None:
                     raise
             # Outside the handler: the failed step's frames (and the model they hold) are gone.
             self._recover(failure)
+        if self.rebalancer is not None:
+            self.rebalancer.wait_sent()  # the spares' last copy, before the group ends
         if self._membership is not None:
             self._membership.finish(self.rank)
         return True
@@ -309,6 +317,7 @@ class Trainer:
             if self.sampler is None:  # a joiner (or the launch group never formed)
                 self._global_sampler()
             self.sampler.reshape(world, rank, plan.split)
+        self.sampler.first_step = plan.step  # this generation's pass over the epoch starts there
         self._wrap()
         if plan.source >= 0:
             state = broadcast_state(self._state() if rank == plan.source else None, plan.source, self.device)
@@ -349,7 +358,10 @@ class Trainer:
             if self.rebalancer is None:
                 from kaitian.training.rebalance import Rebalancer
 
-                self.rebalancer = Rebalancer(self.sampler, self.model, **self._rebalance_args)
+                self.rebalancer = Rebalancer(self.sampler, self.model, optimizer=self.optimizer,
+                                             state=list(self.stateful.values()), **self._rebalance_args)
+                if self._membership is not None:
+                    self.rebalancer.while_waiting = self._check_generation
             else:
                 self.rebalancer.rebind(self.model)
 
@@ -357,9 +369,12 @@ class Trainer:
 
     def _train_step(self, step_fn: StepFn, on_step) -> None:
         if self.step == 0 and self._epoch_started != self.epoch:
-            self.sampler.set_epoch(self.epoch)
+            self.sampler.set_epoch(self.epoch)  # a benched rank learns here whether it trains again
             self._epoch_started = self.epoch
         indices = self.sampler.draw(self.step)
+        if not indices:
+            self._sit_out_epoch()
+            return
         split = self.sampler.split
         batch = _to_device(self._collate(self._items(indices)), self.device)
         self.optimizer.zero_grad(set_to_none=True)
@@ -384,6 +399,26 @@ class Trainer:
         if joiners:
             self._reform()
 
+    def _sit_out_epoch(self) -> None:
+        """A benched rank (a hot spare) takes no step until the epoch's end, whose state it receives;
+        a lost training rank breaks the wait, and the next generation trains on it."""
+        self.rebalancer.serve_epoch()
+        self.applied += self.sampler.num_steps - self.step
+        self.epoch, self.step = self.epoch + 1, 0
+
+    def _check_generation(self) -> None:
+        """A benched rank's look at the job while it waits (it is in no step's collective).
+
+        Raises:
+            MemberLost: the others agree on the next generation, or a member is gone.
+        """
+        m, following = self._membership, self.generation + 1
+        if m.store.check([m.key(f"alive/{following}")]):
+            raise MemberLost(f"the members agree on generation {following} (a benched rank learns it while it waits)")
+        gone = m.gone() & set(self.plan.members)
+        if gone:
+            raise MemberLost(f"{sorted(gone)[0]} is gone (a benched rank learns it while it waits)")
+
     def _items(self, indices: List[int]) -> list:
         getitems = getattr(self.dataset, "__getitems__", None)
         return list(getitems(indices)) if getitems is not None else [self.dataset[i] for i in indices]
@@ -392,13 +427,14 @@ class Trainer:
         """The step's last collective before the optimizer: same step everywhere; a joiner waiting?"""
         from kaitian.training.exchange import gather_per_rank
 
+        group = getattr(self.model, "training_group", None)  # benched ranks take no part
         waiting = 0
-        if self._membership is not None and self.rank == 0:
+        if self._membership is not None and dist.get_rank(group) == 0:
             now = time.monotonic()
             if now - self._last_joiner_poll >= _JOINER_POLL_S:
                 self._last_joiner_poll = now
                 waiting = int(self._membership.joiner_count() > self.plan.joiners_seen)
-        rows = gather_per_rank([waiting, self.applied, self.epoch, self.step], device=self.device,
+        rows = gather_per_rank([waiting, self.applied, self.epoch, self.step], group=group, device=self.device,
                                dtype=torch.int64)
         positions = {tuple(row[1:]) for row in rows}
         if len(positions) > 1:

@@ -21,7 +21,9 @@ nobody up. It stays a hot spare: after each epoch's last optimizer step the
 first training rank sends it the model, the optimizer's state and ``state=``
 objects, point to point and without waiting; at each epoch start it learns
 the new split from that rank, and it is called back when the model predicts
-that it pays.
+that it pays. A benched rank may wait a whole epoch for its next message,
+longer than any op may take: each message is announced on the process
+group's store first, and the spare posts its receive only then.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from kaitian import _torch as _te
 from kaitian.errors import SplitError, TrainingError
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.sampler import DistributedSampler
@@ -49,6 +52,8 @@ DEFAULT_SECONDS = 10.0  # ... or seconds, whichever comes first
 _FIRST_ROUND = 4  # ... and a first round after this many steps: start-up converges fast
 
 _log = logging.getLogger(__name__)
+
+_SPARE_POLL_S = 0.05  # a benched rank looks for its next message this often
 
 
 @dataclass
@@ -193,6 +198,10 @@ class Rebalancer:
         self._known = [StepCost(0.0, 0.0)] * self.world  # every rank's cost as of the last round it took part in
         self._known_caps: List[Optional[int]] = [None] * self.world
         self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
+        self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
+        # called while a benched rank waits for its next message; it may raise to end the wait
+        # (kaitian.elastic: a training rank was lost)
+        self.while_waiting: Optional[Callable[[], None]] = None
         self.history: List[RebalanceDecision] = []
         self._attach(model, group)
         self._vendor_groups = self._exchange_vendor_groups()
@@ -241,6 +250,11 @@ class Rebalancer:
         self._comm, self._busy = [0.0, 0], [0.0, 0]
         self._skip = self.warmup_steps
         self._step = 0
+        self._epoch_samples, self._epoch_steps, self._epoch_total, self._sync_due = 0, 0, None, False
+        self._switch, self._sending, self._received = None, [], 0  # of the old group
+        # What decides whether a round may bench must be the same on every rank, a joiner's too:
+        # counted from here on.
+        self._steps_done, self._one_micro, self._exchange_s = 0, True, 0.0
         self._groups = {}
         self._known = [StepCost(0.0, 0.0)] * self.world
         self._known_caps = [None] * self.world
@@ -516,6 +530,7 @@ class Rebalancer:
         source = self._source()
         world = self.world
         message = torch.empty(3 * world + 2, dtype=torch.float64)
+        self._await_message()
         dist.recv(message, source, group=self.world_group)
         values = message.tolist()
         epoch, new = int(values[0]), [int(n) for n in values[1:world + 1]]
@@ -536,14 +551,38 @@ class Rebalancer:
                                               applied=new != old))
 
     def _serve_as_spare(self, epoch: int) -> None:
-        """A benched rank's pass over an epoch: it waits for the epoch's end and takes the state."""
+        self.serve_epoch()
+
+    def serve_epoch(self) -> None:
+        """A benched rank's pass over an epoch: it waits for the epoch's end and takes the state
+        (called for you where its loader would start the epoch)."""
         self._receive_state(self._source())
 
+    def wait_sent(self) -> None:
+        """Waits until the benched ranks have what was sent to them (call it before the group ends)."""
+        for works, _ in self._sending:
+            for work in works:
+                work.wait()
+        self._sending = []
+
     def _send(self, tensors: List[torch.Tensor], ranks: List[int]) -> None:
-        """Sends ``tensors`` to each of ``ranks`` without waiting; they are kept until they arrive."""
+        """Sends ``tensors`` to each of ``ranks`` without waiting (one message); they are kept until
+        they arrive. The store counts the messages sent to each rank: its wait may outlast any op."""
         self._sending = [(works, kept) for works, kept in self._sending if not all(w.is_completed() for w in works)]
         works = [dist.isend(t, r, group=self.world_group) for r in ranks for t in tensors]
         self._sending.append((works, tensors))
+        store = _te.default_store()
+        for r in ranks:
+            store.add(_message_key(r), 1)
+
+    def _await_message(self) -> None:
+        """A benched rank's wait for its next message, however long (see :meth:`_send`)."""
+        store, key = _te.default_store(), _message_key(dist.get_rank(self.world_group))
+        while int(store.add(key, 0)) <= self._received:
+            if self.while_waiting is not None:
+                self.while_waiting()
+            time.sleep(_SPARE_POLL_S)
+        self._received += 1
 
     def _send_state(self, spares: Optional[List[int]] = None) -> None:
         """The first training rank sends the model, the optimizer's state and ``state`` to the
@@ -569,6 +608,7 @@ class Rebalancer:
         model = self._model_ref()
         group = self.world_group
         size = torch.empty(1, dtype=torch.int64)
+        self._await_message()
         dist.recv(size, source, group=group)
         if not 0 < int(size) <= _MAX_SKELETON:
             raise TrainingError(f"re-balancer: rank {source} sent a state of {int(size)} bytes to a benched rank")
@@ -609,6 +649,11 @@ class Rebalancer:
 
 
 _MAX_SKELETON = 1 << 30  # bytes of a state's structure (its tensors travel apart)
+
+
+def _message_key(rank: int) -> str:
+    """The store's count of the re-balancer's messages sent to benched ``rank``."""
+    return f"kaitian/rebalance/spare-messages/{rank}"
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """Sets the epoch (reshuffles with ``seed + epoch``); call it before each epoch."""
         self.epoch = int(epoch)
         self._epoch_step = 0
+        self.first_step = 0  # a pass over it starts at its beginning (or at a checkpoint's step: _epoch)
         self._epoch_listeners(self.epoch)
 
     def add_spare_hook(self, callback) -> None:

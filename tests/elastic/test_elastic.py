@@ -142,6 +142,27 @@ def test_whole_vendor_group_then_sigstop_with_two_more_losses_while_it_is_handle
     assert any(e["kind"] == "joined" and e["member"] == run.member(1, 1) for e in events)  # the stopped one's next
 
 
+def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path):
+    """Every sample costs 5 ms, so cpu0's two ranks both pay; launch rank 2 (cpu1) costs 0.1 s more a
+    step and is benched (a hot spare, in no step's collective). Rank 1 is lost in epoch 1: the spare
+    trains in the next generation with the same global batch, from rank 0's live state (not its copy
+    of the last epoch's end), and the run is exact."""
+    run = run_elastic(
+        tmp_path,
+        ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
+        ["--epochs", "3", "--rebalance", "--sample-sleep", "0.005", "--slow", "2:0.1", "--fail", "forward@15:1",
+         "--degraded-sleep", "0"],
+    )
+    assert run.returncode == 0, run.output[-6000:]
+    steps = check_exact(run, epochs=3, global_batch=GLOBAL_BATCH)
+    spare = run.member(2, 0)
+    benched = [applied for applied in range(1, 16) if spare not in _members_of(steps, applied)]
+    assert benched and max(benched) == 15, benched  # benched before the loss, up to it
+    after = steps[16]  # the step in flight, redone by the next generation
+    assert {r["member"] for r in after} == {run.member(0, 0), spare} and sum(after[0]["split"]) == GLOBAL_BATCH
+    assert "rank 2 benched: the step is predicted" in run.output, run.output[-4000:]
+
+
 def test_example_goes_on_when_a_worker_is_killed_from_outside(tmp_path):
     """examples/elastic_train.py as the README runs it; a worker is SIGKILLed (by the test) mid-training."""
     logs = tmp_path / "batches"

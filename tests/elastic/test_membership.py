@@ -54,6 +54,17 @@ def test_what_cannot_go_on_says_why():
     assert nobody_lost.error.startswith("the process group failed but no member was lost: ranks issued")
 
 
+def test_a_benched_rank_called_back_by_a_joiner_is_no_failure_and_takes_the_state():
+    """Joiners make the trainers re-form: the benched rank (no share) saw its wait end, which is
+    no failure of the group; it trains again, weighted like the others, from the live state."""
+    announced = {"n/0/0": _a("n/0/0", 12, share=1.0, failure=""),
+                 "n/1/0": _a("n/1/0", 10, share=0.0, group="cpu1", failure="the members agree on generation 1")}
+    plan = decide(1, ["n/0/0", "n/1/0"], announced, gone=set(), joiners=[Announcement("n/2/0", None)],
+                  global_batch=48, min_batch=1, joiners_seen=1)
+    assert not plan.error and plan.members == ["n/0/0", "n/1/0", "n/2/0"]
+    assert plan.split == [16, 16, 16] and plan.source == 0 and plan.applied == 12
+
+
 def test_quorum_waits_for_a_silent_member_then_the_lowest_survivor_decides_once():
     store = dist.HashStore()
     plans, began = {}, time.monotonic()

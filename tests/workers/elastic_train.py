@@ -59,12 +59,16 @@ def main():
     p.add_argument("--timeout", type=float, default=4.0)
     p.add_argument("--quorum-timeout", type=float, default=3.0)
     p.add_argument("--rebalance", action="store_true")
+    p.add_argument("--sample-sleep", type=float, default=0.0, help="every step sleeps this long per sample")
+    p.add_argument("--slow", default="", help="RANK:SECONDS: the worker of that launch rank sleeps this long "
+                                             "every step (a fixed cost: the re-balancer benches it)")
     p.add_argument("--samples", type=int, default=480, help="dataset size")
     p.add_argument("--ddp", default="kaitian")
     args = p.parse_args()
     member = os.environ["KAITIAN_ELASTIC_ID"]
     tag = member.replace("/", "_").replace(":", "_")
     launch_rank, launch_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    slow_rank, slow_s = (int(args.slow.split(":")[0]), float(args.slow.split(":")[1])) if args.slow else (-1, 0.0)
     fails, markers, in_step_markers = {}, [], []
     for spec in args.fail:
         where, rest = spec.split("@")
@@ -110,7 +114,7 @@ def main():
         fail_here("full")
         if trainer.world < launch_world and not all(os.path.exists(m) for m in markers):
             time.sleep(args.degraded_sleep)
-        time.sleep(args.step_sleep)
+        time.sleep(args.step_sleep + args.sample_sleep * len(x) + (slow_s if launch_rank == slow_rank else 0.0))
         return F.mse_loss(model(x), y)
 
     dataset = make_dataset(args.samples)
