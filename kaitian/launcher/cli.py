@@ -10,6 +10,7 @@ torchrun flag and ``PET_*`` variable means what it means for torchrun.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import logging
 import os
 import shutil
@@ -158,6 +159,31 @@ def _check_script(args: argparse.Namespace) -> None:
         raise UsageError(f"{script}: no such file")
 
 
+def _check_not_shadowed(args: argparse.Namespace) -> None:
+    """Refuses a folder named ``kaitian`` that would shadow the package in the workers.
+
+    A worker's ``sys.path`` starts with the script's folder (the working
+    directory with ``-m``). A ``kaitian`` folder there that is not the package
+    (the clone, beside a script in the home directory) is imported as an empty
+    namespace package, unless a later ``sys.path`` entry holds the real one
+    (the editable install puts the clone's root there): then ``import
+    kaitian`` would register nothing and every rank fail with "Unknown backend
+    type kaitian".
+    """
+    if args.no_python:
+        return
+    first = os.getcwd() if args.module else os.path.dirname(os.path.abspath(args.training_script))
+    spec = importlib.machinery.PathFinder.find_spec("kaitian", [first, *sys.path[1:]])
+    if spec is not None and spec.origin in (None, "namespace"):
+        import kaitian
+
+        raise UsageError(
+            f"{os.path.join(first, 'kaitian')}: this folder would be imported as `kaitian` by the workers "
+            f"instead of kaitian itself ({os.path.dirname(kaitian.__file__)}); rename it or move the script "
+            "elsewhere, or reinstall kaitian editable (make setup)"
+        )
+
+
 def _capabilities() -> Dict[str, float]:
     from kaitian.training.capability import CapabilityConfigError, load_capabilities
 
@@ -208,6 +234,8 @@ def run(args: argparse.Namespace) -> None:
         ChildFailedError / SignalException: as torchrun.
     """
     _check_script(args)
+    if args.runtime == "local":  # a container's interpreter has its own kaitian
+        _check_not_shadowed(args)
     settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
     worker_store_port = _resolve_rendezvous(args)
     known = _te.rendezvous_backend_names()
