@@ -12,8 +12,10 @@ speed), or directly::
         examples/train_digits.py --epochs 25
     torchrun --nproc-per-node 2 examples/train_digits.py --backend gloo
 
-Rank 0 prints, per epoch, each group's batch size and throughput, and at the
-end the test accuracy; the exit code is 1 if it is below ``--min-accuracy``.
+Rank 0 prints, per epoch, each group's batch size, its throughput in the job
+and its own speed (samples per second of its compute: in lock-step every
+group's throughput follows the slowest, its speed does not), and at the end
+the test accuracy; the exit code is 1 if it is below ``--min-accuracy``.
 """
 
 from __future__ import annotations
@@ -106,12 +108,21 @@ def main(argv=None) -> int:
                            optimizer=optimizer)
     # batch_sampler= follows the split when the re-balancer changes it.
     loader = DataLoader(train_set, batch_sampler=sampler.batch_sampler())
+    busy = [0, 0.0]  # this epoch's samples and compute seconds on this rank: its own speed
+
+    def on_step(timing) -> None:
+        busy[0] += timing.samples
+        busy[1] += timing.compute_s
+
+    model.add_step_listener(on_step)
 
     if rank == 0:
         print(f"kaitian digits: {world} ranks in groups {groups}, backend {args.backend}, "
               f"{len(train_set)} train / {len(test_set)} test samples, global batch "
               f"{sampler.global_batch_size}, {sampler.num_steps} steps/epoch, "
-              f"re-balancing {'off' if args.no_rebalance else 'on'}", flush=True)
+              f"re-balancing {'off' if args.no_rebalance else 'on'}\n"
+              "per epoch and group: its batch, its samples/s in the job, and its speed (samples per "
+              "second of its own compute)", flush=True)
 
     job_start = time.perf_counter()
     total_samples = 0
@@ -120,6 +131,7 @@ def main(argv=None) -> int:
         model.train()
         start = time.perf_counter()
         seen, loss_sum = 0, 0.0
+        busy[:] = [0, 0.0]
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
@@ -129,7 +141,7 @@ def main(argv=None) -> int:
             seen += len(y)
             loss_sum += loss.item() * len(y)
         elapsed = time.perf_counter() - start
-        stats = gather_floats([sampler.local_batch_size, seen, elapsed, loss_sum], device)
+        stats = gather_floats([sampler.local_batch_size, seen, elapsed, loss_sum, *busy], device)
         total_samples += sum(s[1] for s in stats)
         if rank == 0:
             epoch_time = max(s[2] for s in stats)
@@ -139,7 +151,9 @@ def main(argv=None) -> int:
                 members = [r for r in range(world) if groups[r] == name]
                 batch = "+".join(str(int(stats[r][0])) if stats[r][0] else "benched" for r in members)
                 rate = sum(stats[r][1] for r in members) / epoch_time
-                parts.append(f"{name}: batch {batch:>7} {rate:7.0f}/s")
+                speed = sum(stats[r][4] / stats[r][5] for r in members if stats[r][5] > 0)
+                speed_text = f"{speed:.0f}/s" if speed else "-"
+                parts.append(f"{name}: batch {batch:>7} {rate:7.0f}/s (speed {speed_text:>8})")
             total = sum(s[1] for s in stats) / epoch_time
             print(f"epoch {epoch + 1:3d}  loss {loss:.4f}  " + "  |  ".join(parts)
                   + f"  |  total {total:7.0f} samples/s", flush=True)

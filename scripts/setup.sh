@@ -39,16 +39,24 @@ export PIP_CONSTRAINT="$VENV_ABS/kaitian-constraints.txt"
 echo "torch==$TORCH" > "$PIP_CONSTRAINT"
 pip() { "$VPY" -m pip --disable-pip-version-check "$@"; }
 
-torch_version() { "$VPY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true; }
-if [ "$(torch_version)" != "$TORCH" ]; then
-  log "installing torch $TORCH into $VENV"
+# "VERSION CUDA-or-- FILE" of the venv's torch (empty without one): one import, also the build stamp's
+torch_id() { "$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda or "-", torch.__file__)' 2>/dev/null || true; }
+TORCH_ID=$(torch_id)
+read -r torch_full torch_cuda _ <<< "$TORCH_ID"
+if [ "${torch_full%%+*}" != "$TORCH" ]; then
+  log "installing torch $TORCH into $VENV (a download of about 200 MB for the CPU build, several GB with CUDA)"
   pip install -q "torch==$TORCH" numpy
+  TORCH_ID=$(torch_id)
+  [ -n "$TORCH_ID" ] || die "torch $TORCH was installed into $VENV but does not import"
+  read -r torch_full torch_cuda _ <<< "$TORCH_ID"
 fi
-log "torch: $("$VPY" -c 'import torch; print(torch.__version__, "(CUDA " + torch.version.cuda + " build)" if torch.version.cuda else "(CPU build)")')"
+log "torch: $torch_full ($([ "$torch_cuda" = - ] && echo "CPU build" || echo "CUDA $torch_cuda build"))"
 if [ -n "${KAITIAN_TORCH_ONLY:-}" ]; then exit 0; fi  # CI fetches the other torches early
 
-log "installing the build tools"
-pip install -q "setuptools>=64" wheel ninja
+if ! "$VPY" -c 'import sys, ninja, wheel, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 64)' 2>/dev/null; then
+  log "installing the build tools"
+  pip install -q "setuptools>=64" wheel ninja
+fi
 
 # kaitian itself, editable: metadata, entry points and the extras' packages.
 # Redone only when pyproject.toml or the extras change.
@@ -65,17 +73,58 @@ fi
 # The C++ extension, built in place against this venv's torch; its objects stay
 # in build/<venv> so that a second run compiles only what changed. kaitian/_C
 # serves one venv at a time: another venv's copy is relinked for this one.
+# The stamp records what the build read (sources, setup.py, torch, Python,
+# compiler and flags) and the files it made: while they match, nothing is
+# built or linked (setup.py would relink both extensions every time).
 STAMP=kaitian/.C-built-for
 WANT="torch $TORCH in $VENV_ABS"
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-  rm -f kaitian/_C*.so
-fi
+build_inputs() {
+  { find cpp setup.py -type f | LC_ALL=C sort | xargs sha1sum
+    "$VPY" --version
+    echo "$TORCH_ID"
+    "${CXX:-c++}" --version 2>&1 | head -n 1 || true
+    env | grep -E '^(KAITIAN_BUILD_OPT|CC|CXX|CFLAGS|CXXFLAGS|CPPFLAGS|LDFLAGS)=' | LC_ALL=C sort || true
+  } | sha1sum | cut -c1-40
+}
+built_files() { stat -c '%n %s %Y' kaitian/_C*.so kaitian/testing/_fake_accelerator*.so 2>/dev/null || true; }
+INPUTS="inputs $(build_inputs)"
 BUILD_LOG="$VENV_ABS/kaitian-build.log"
-log "building kaitian's C++ extension against torch $TORCH (log: $BUILD_LOG)"
-if ! "$VPY" setup.py build_ext --inplace --build-temp "build/$(basename "$VENV_ABS")" > "$BUILD_LOG" 2>&1; then
-  tail -n 40 "$BUILD_LOG" >&2
-  die "the C++ extension did not build (the end of $BUILD_LOG is above)"
+BUILD_TEMP="build/$(basename "$VENV_ABS")"
+
+# ninja's "[3/9] c++ ... -c cpp/x.cpp -o ..." lines and the links, one short line each;
+# everything to the log.
+build_progress() {
+  local line ext=extension start=$SECONDS
+  while IFS= read -r line; do
+    printf '%s\n' "$line" >> "$BUILD_LOG"
+    if [[ $line =~ ^building\ \'([^\']+)\' ]]; then
+      ext=${BASH_REMATCH[1]}
+    elif [[ $line =~ ^\[([0-9]+/[0-9]+)\].*\ -c\ ([^ ]+)\ -o\  ]]; then
+      log "  $ext: ${BASH_REMATCH[1]} compiled ${BASH_REMATCH[2]#"$PWD"/} ($((SECONDS - start)) s)"
+    elif [[ $line == *" -shared "* ]]; then
+      log "  $ext: linked ($((SECONDS - start)) s)"
+    fi
+  done
+}
+
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$(printf '%s\n%s\n%s' "$WANT" "$INPUTS" "$(built_files)")" ]; then
+  log "kaitian's C++ extension is up to date (sources, torch, compiler and flags unchanged): nothing to build"
+else
+  if [ "$(head -n 1 "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+    rm -f kaitian/_C*.so
+  fi
+  if [ -d "$BUILD_TEMP" ]; then
+    log "building kaitian's C++ extension against torch $TORCH: what changed (log: $BUILD_LOG)"
+  else
+    log "building kaitian's C++ extension against torch $TORCH: the first build compiles about a dozen" \
+      "files, 5 to 10 min on 2 cores, about 1 on 16 (log: $BUILD_LOG)"
+  fi
+  : > "$BUILD_LOG"
+  if ! "$VPY" setup.py build_ext --inplace --build-temp "$BUILD_TEMP" 2>&1 | build_progress; then
+    tail -n 40 "$BUILD_LOG" >&2
+    die "the C++ extension did not build (the end of $BUILD_LOG is above)"
+  fi
+  "$VPY" -c 'import kaitian._C' || die "kaitian._C does not import in $VENV (see the build output above)"
+  printf '%s\n%s\n%s\n' "$WANT" "$INPUTS" "$(built_files)" > "$STAMP"
 fi
-echo "$WANT" > "$STAMP"
-"$VPY" -c 'import kaitian._C' || die "kaitian._C does not import in $VENV (see the build output above)"
 log "ready: $VENV (run things with $VENV/bin/python, or: source $VENV/bin/activate)"

@@ -81,7 +81,7 @@ def _parse_use(label: str, raw: str, kind: str, have: List[Device], inventory: s
         part = part.strip()
         if not re.fullmatch(r"\d+", part):
             raise DeviceSelectionError(
-                f"{label}={raw!r} is malformed: use -1, or indices like 0,1; this host has: {inventory}"
+                f"{label}={raw!r} is malformed: use all, -1 (none), or indices like 0,1; this host has: {inventory}"
             )
         indices.append(int(part))
     if not have and kind != "cpu":

@@ -10,6 +10,7 @@ torchrun flag and ``PET_*`` variable means what it means for torchrun.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import logging
 import os
 import shutil
@@ -158,6 +159,31 @@ def _check_script(args: argparse.Namespace) -> None:
         raise UsageError(f"{script}: no such file")
 
 
+def _check_not_shadowed(args: argparse.Namespace) -> None:
+    """Refuses a folder named ``kaitian`` that would shadow the package in the workers.
+
+    A worker's ``sys.path`` starts with the script's folder (the working
+    directory with ``-m``). A ``kaitian`` folder there that is not the package
+    (the clone, beside a script in the home directory) is imported as an empty
+    namespace package, unless a later ``sys.path`` entry holds the real one
+    (the editable install puts the clone's root there): then ``import
+    kaitian`` would register nothing and every rank fail with "Unknown backend
+    type kaitian".
+    """
+    if args.no_python:
+        return
+    first = os.getcwd() if args.module else os.path.dirname(os.path.abspath(args.training_script))
+    spec = importlib.machinery.PathFinder.find_spec("kaitian", [first, *sys.path[1:]])
+    if spec is not None and spec.origin in (None, "namespace"):
+        import kaitian
+
+        raise UsageError(
+            f"{os.path.join(first, 'kaitian')}: this folder would be imported as `kaitian` by the workers "
+            f"instead of kaitian itself ({os.path.dirname(kaitian.__file__)}); rename it or move the script "
+            "elsewhere, or reinstall kaitian editable (make setup)"
+        )
+
+
 def _capabilities() -> Dict[str, float]:
     from kaitian.training.capability import CapabilityConfigError, load_capabilities
 
@@ -200,14 +226,19 @@ def _launch(config, cmd, cmd_args, kaitian: KaitianLaunch):
     return launch_agent(config, cmd, cmd_args, kaitian)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
     """Launches the job described by parsed arguments (torchrun's ``run`` with kaitian's layout).
+
+    Returns:
+        0, or 1 when the workers failed (torchrun's root-cause summary printed).
 
     Raises:
         UsageError, DeviceSelectionError, PlanError: bad input (nothing was started).
-        ChildFailedError / SignalException: as torchrun.
+        SignalException: as torchrun.
     """
     _check_script(args)
+    if args.runtime == "local":  # a container's interpreter has its own kaitian
+        _check_not_shadowed(args)
     settings()  # a bad KAITIAN_* (KAITIAN_JOB_KEY, ...) fails here, before anything starts
     worker_store_port = _resolve_rendezvous(args)
     known = _te.rendezvous_backend_names()
@@ -251,6 +282,7 @@ def run(args: argparse.Namespace) -> None:
         logger.warning("removed what killed agents left behind: %s", ", ".join(stale))
     run_dir = RunDir(config.run_id)
     succeeded = False
+    failure = None
     try:
         if args.logs_specs is None:
             ranks = (
@@ -287,31 +319,37 @@ def run(args: argparse.Namespace) -> None:
             worker_store_port=worker_store_port,
             on_failure=args.on_failure,
         )
-        _launch(config, cmd, cmd_args, kaitian)
-        succeeded = True
+        try:
+            _launch(config, cmd, cmd_args, kaitian)
+            succeeded = True
+        except _te.ChildFailedError as e:
+            failure = e
     finally:
         # After @record has copied the root cause's error file: it lives in here.
         kept = run_dir.finish(succeeded)
-        if kept:
+        if failure is not None:
+            # torchrun's summary without the launcher's own traceback: the workers' errors are above
+            print(failure, file=sys.stderr, flush=True)
+        if kept:  # last, where a reader looks first
             print(f"{_PROG}: the workers' logs are kept in {kept}", file=sys.stderr, flush=True)
+    return 0 if failure is None else 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """The ``kaitianrun`` console script.
 
     Returns:
-        0 on success; 2 for bad input (one line on stderr). Worker failures and
-        signals raise as under torchrun (exit status 1 with the root-cause summary).
+        0 on success; 2 for bad input (one line on stderr); 1 when the workers
+        failed (torchrun's root-cause summary). Signals raise as under torchrun.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     _te.set_thread_name("pt_elastic")
     _te.speed_up_rendezvous_events()
     try:
-        run(args)
+        return run(args)
     except KaitianError as e:  # user-facing: says what to do; anything else is torchrun-like
         return _fail(str(e))
-    return 0
 
 
 def run_alias(argv: Optional[List[str]] = None) -> int:

@@ -54,13 +54,13 @@ class KaitianLaunch:
     on_failure: str = "restart"
 
 
-def _make_monitor(out_dir: str) -> Any:
+def _make_monitor(out_dir: str, cpu_quotas: Dict[str, float]) -> Any:
     try:
         from kaitian.monitor.agent import AgentMonitor
     except ImportError as e:
         logger.warning("--monitor: kaitian.monitor.agent is not available (%s); not monitoring", e)
         return None
-    return AgentMonitor(out_dir)
+    return AgentMonitor(out_dir, cpu_quotas=cpu_quotas)
 
 
 def launch_agent(
@@ -131,7 +131,7 @@ def launch_agent(
     shutdown_rdzv = True
     try:
         if kaitian.monitor_dir:
-            monitor = _make_monitor(kaitian.monitor_dir)
+            monitor = _make_monitor(kaitian.monitor_dir, dict(kaitian.plan.cpu_quotas))
             if monitor is not None:
                 monitor.start()
         agent = KaitianAgent(spec, config, kaitian, monitor)

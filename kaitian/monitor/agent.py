@@ -6,7 +6,8 @@ The workers write one JSON line per step (and per re-balancing round) to
 its children) and accelerator utilisation
 (:func:`kaitian.devices.vendors.utilisation`) every ``interval``
 seconds into ``<dir>/utilisation.jsonl``; at the end :meth:`AgentMonitor.report`
-writes ``monitor.png`` and ``summary.txt``.
+writes ``monitor.png`` and ``summary.txt``. Each run starts a fresh record:
+:meth:`AgentMonitor.start` moves an earlier run's files to ``<dir>/previous/``.
 
 Communication vs waiting: a rank's time in the gradient allreduce is the
 transfer itself plus the time it waits for slower ranks. In each step the
@@ -21,18 +22,23 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from kaitian.devices.vendors import utilisation
 from kaitian.monitor.records import read_jsonl
+from kaitian.training.stepcost import StepCost, predicted_step
 
 __all__ = ["AgentMonitor", "split_wait"]
 
 _log = logging.getLogger(__name__)
 
 UTILISATION_FILE = "utilisation.jsonl"
+RANK_FILE = re.compile(r"rank-(\d+)\.jsonl")
+# what a run leaves in the directory: set aside when the next one starts
+RUN_FILES = (UTILISATION_FILE, "summary.txt", "monitor.png")
 
 
 class AgentMonitor:
@@ -45,11 +51,13 @@ class AgentMonitor:
         out_dir: where the workers' ``rank-*.jsonl`` go (``KAITIAN_MONITOR_DIR``)
             and where the report is written.
         interval: seconds between utilisation samples.
+        cpu_quotas: group -> cores of CPU time (``--cpu-quota``), named in the plot's title.
     """
 
-    def __init__(self, out_dir: str, interval: float = 1.0) -> None:
+    def __init__(self, out_dir: str, interval: float = 1.0, cpu_quotas: Optional[Mapping[str, float]] = None) -> None:
         self.out_dir = out_dir
         self.interval = float(interval)
+        self.cpu_quotas = dict(cpu_quotas or {})
         self._pids: Dict[int, int] = {}
         self._devices: Dict[int, str] = {}
         self._procs: Dict[int, object] = {}
@@ -60,13 +68,30 @@ class AgentMonitor:
         os.makedirs(out_dir, exist_ok=True)
 
     def start(self) -> None:
-        """Starts the sampling thread (idempotent)."""
+        """Sets an earlier run's record aside and starts the sampling thread (idempotent)."""
         if self._thread is not None:
             return
+        self._set_aside_previous_run()
         self._start_time = time.time()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kaitian-monitor", daemon=True)
         self._thread.start()
+
+    def _set_aside_previous_run(self) -> None:
+        """Moves an earlier run's files to ``<dir>/previous/``, replacing the run kept there.
+
+        The workers append to their files (a restart in the same run goes on in
+        them), so a second run into the same directory would otherwise be
+        counted with the first and plotted across the gap between them.
+        """
+        names = [n for n in os.listdir(self.out_dir) if n in RUN_FILES or RANK_FILE.fullmatch(n)]
+        if not names:
+            return
+        previous = os.path.join(self.out_dir, "previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.makedirs(previous)
+        for name in names:
+            os.replace(os.path.join(self.out_dir, name), os.path.join(previous, name))
 
     def watch(self, pids_by_rank: Dict[int, int], devices_by_rank: Dict[int, str]) -> None:
         """Sets the worker processes to sample (call again after a restart).
@@ -145,7 +170,7 @@ class AgentMonitor:
         steps: Dict[int, List[dict]] = {}
         rounds: Dict[tuple, dict] = {}
         for name in sorted(os.listdir(self.out_dir)):
-            m = re.fullmatch(r"rank-(\d+)\.jsonl", name)
+            m = RANK_FILE.fullmatch(name)
             if m:
                 records = read_jsonl(os.path.join(self.out_dir, name))
                 steps[int(m.group(1))] = [r for r in records if r.get("kind", "step") == "step"]
@@ -205,17 +230,36 @@ class AgentMonitor:
             table += (f"\nlast round: predicted step {1000 * last['predicted_s']:.1f} ms, measured "
                       f"{1000 * last.get('measured_s', 0.0):.1f} ms"
                       + (f"; benched (hot spares): rank {', '.join(map(str, benched))}" if benched else ""))
+        gain = equal_split_gain(rounds)
+        if gain is not None:
+            table += (f"\nvs an equal split: {gain[0]:.2f}x the throughput (the last round's step-cost model: "
+                      f"{1000 * gain[1]:.1f} ms a step at an equal split)")
         table += ("\nBATCH: a full step's (benched: none, a hot spare); COMM: the allreduce itself "
                   "(the step's fastest rank); WAIT: time waiting for slower ranks")
         with open(os.path.join(self.out_dir, "summary.txt"), "w", encoding="utf-8") as f:
             f.write(table + "\n")
         try:
-            self._plot(steps, util, rounds, waits)
+            self._plot(steps, util, rounds, waits, self._title(steps, rounds, gain))
         except ImportError:
             table += "\n(matplotlib is not installed: no monitor.png; pip install matplotlib)"
         return table
 
-    def _plot(self, steps, util, rounds, waits) -> None:
+    def _title(self, steps: Dict[int, List[dict]], rounds: List[dict], gain: Optional[Tuple[float, float]]) -> str:
+        """What ran (each group's devices and CPU quota) and the gain over an equal split."""
+        groups: Dict[str, List[str]] = {}
+        for _, recs in sorted(steps.items()):
+            if recs:
+                groups.setdefault(recs[-1].get("group", "?"), []).append(recs[-1].get("device", "?"))
+        parts = []
+        for group, devices in groups.items():
+            what = ", ".join(devices) if len(devices) <= 4 else f"{len(devices)} ranks"
+            if group in self.cpu_quotas:
+                what += f", {self.cpu_quotas[group]:g} core{'' if self.cpu_quotas[group] == 1 else 's'}"
+            parts.append(f"{group} ({what})")
+        return (" + ".join(parts) + "\n" + ("no re-balancing round" if not rounds else "gain over an equal split: "
+                + (f"{gain[0]:.2f}x (step-cost model)" if gain else "not known yet")))
+
+    def _plot(self, steps, util, rounds, waits, title: str) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -223,7 +267,7 @@ class AgentMonitor:
 
         firsts = [recs[0]["time"] - recs[0]["step_s"] for recs in steps.values() if recs]
         t0 = min(firsts) if firsts else (self._start_time or time.time())
-        fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True,
+        fig, axes = plt.subplots(4, 1, figsize=(13, 11), sharex=True, layout="constrained",
                                  gridspec_kw={"height_ratios": [3, 2, 3, 2]})
         colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         total_t, total_rate = None, None
@@ -298,11 +342,10 @@ class AgentMonitor:
         axes[2].set_title("compute, communication and imbalance wait", fontsize=9, loc="left")
         axes[3].set_title("process CPU and device utilisation", fontsize=9, loc="left")
         for ax in axes:
-            if ax.lines:
-                ax.legend(fontsize=7, loc="upper right", ncol=2)
+            if ax.lines:  # beside the plot, where it covers no line
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
             ax.grid(alpha=0.3)
-        fig.suptitle("kaitian monitor")
-        fig.tight_layout()
+        fig.suptitle(f"kaitian monitor: {title}", fontsize=10)
         fig.savefig(os.path.join(self.out_dir, "monitor.png"), dpi=90)
         plt.close(fig)
 
@@ -324,6 +367,26 @@ def split_wait(steps: Dict[int, List[dict]]) -> Dict[int, List[Tuple[float, floa
             (by_step[r["step"]], r["comm_s"] - by_step[r["step"]] + r.get("wait_s", 0.0)) for r in recs
         ]
     return out
+
+
+def equal_split_gain(rounds: List[dict]) -> Optional[Tuple[float, float]]:
+    """The throughput gained over an equal split, by the last round's step-cost model.
+
+    Returns:
+        (the predicted step at an equal split / the one predicted for the split
+        the round chose, the former in seconds), or ``None`` before a round
+        that fitted every rank.
+    """
+    last = next((r for r in reversed(rounds) if r.get("fixed_s") and r.get("predicted_s")), None)
+    if last is None:
+        return None
+    costs = [StepCost(a, b) for a, b in zip(last["fixed_s"], last["per_sample_s"])]
+    if not all(c.known for c in costs):
+        return None
+    total, world = sum(last["new"]), len(last["new"])
+    equal = [total // world + (r < total % world) for r in range(world)]
+    equal_s = predicted_step(equal, costs, last.get("exchange_s", 0.0))
+    return equal_s / last["predicted_s"], equal_s
 
 
 def _full_step_samples(recs: List[dict]) -> int:

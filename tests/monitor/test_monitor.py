@@ -2,6 +2,9 @@
 
 import time
 
+import matplotlib.figure
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
 from kaitian.monitor.agent import AgentMonitor, split_wait
 from kaitian.training.ddp import StepTiming
 from kaitian.training.rebalance import RebalanceDecision
@@ -31,10 +34,11 @@ def test_wait_is_separated_from_communication_and_rounds_are_reported(tmp_path):
     assert (tmp_path / "monitor.png").stat().st_size > 1000
 
 
-def test_benched_ranks_and_the_predicted_step_are_reported(tmp_path):
+def test_benched_ranks_and_the_predicted_step_are_reported(tmp_path, monkeypatch):
     """Rank 1 trains 4 steps, is benched at a round only rank 0 and it took part in; the table
-    names it benched, shows the full step's batch (not a short last one) and the last round's
-    predicted and measured step."""
+    names it benched, shows the full step's batch (not a short last one), the last round's
+    predicted and measured step and the gain over an equal split; the plot's title says what ran
+    and that gain, and every legend is beside its plot, not over it."""
     start = time.time()
     round_ = RebalanceDecision(step=4, epoch=0, per_sample_s=[1e-4, 1e-3], old=[48, 16], new=[64, 0], applied=True,
                                fixed_s=[0.004, 0.05], exchange_s=0.01, predicted_s=0.0104, measured_s=0.066)
@@ -47,9 +51,43 @@ def test_benched_ranks_and_the_predicted_step_are_reported(tmp_path):
                                        compute_s=0.05, comm_s=0.01, step_s=0.1, end=start + 0.1 * step, wait_s=0.0))
         rec.record_rebalance(round_)
         rec.flush()
-    table = AgentMonitor(str(tmp_path)).report()
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))[1])
+    table = AgentMonitor(str(tmp_path), cpu_quotas={"cpu1": 0.25}).report()
     rows = [line.split() for line in table.splitlines()[1:3]]
     assert [r[5] for r in rows] == ["64", "benched"]
     assert "1 re-balancing round(s), 1 changed the split (last: [64, 0] at step 4)" in table
     assert "last round: predicted step 10.4 ms, measured 66.0 ms; benched (hot spares): rank 1" in table
+    # an equal split, 32 each: rank 1's 50 + 32 ms and the 10 ms exchange, against the 10.4 ms predicted
+    assert ("vs an equal split: 8.85x the throughput (the last round's step-cost model: 92.0 ms a step at "
+            "an equal split)") in table
     assert (tmp_path / "monitor.png").stat().st_size > 1000
+    fig, = figures
+    assert fig.get_suptitle() == ("kaitian monitor: cpu0 (cpu:0) + cpu1 (cpu:1, 0.25 cores)\n"
+                                  "gain over an equal split: 8.85x (step-cost model)")
+    renderer = FigureCanvasAgg(fig).get_renderer()  # (the report closed the figure)
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend()]  # (no utilisation sampled here)
+    assert len(legends) == 3
+    for ax, legend in legends:
+        assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+
+
+def test_each_run_starts_a_fresh_record(tmp_path):
+    """A second run into the same directory moves the first one's files to previous/ (replacing
+    what was kept there) instead of appending to them; other files stay."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for run in ("first", "second"):
+        mon = AgentMonitor(str(tmp_path), interval=60)
+        mon.start()
+        mon.stop()
+        for name in ("rank-0.jsonl", "rank-1.jsonl", "utilisation.jsonl", "summary.txt", "monitor.png"):
+            (tmp_path / name).write_text(run)
+    mon = AgentMonitor(str(tmp_path), interval=60)
+    mon.start()
+    mon.stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "previous"]
+    kept = {p.name: p.read_text() for p in (tmp_path / "previous").iterdir()}
+    assert kept == dict.fromkeys(("rank-0.jsonl", "rank-1.jsonl", "utilisation.jsonl", "summary.txt",
+                                  "monitor.png"), "second")

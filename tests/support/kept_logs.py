@@ -21,12 +21,15 @@ def run_dirs(pid: int) -> List[str]:
 
 
 def assert_logs_kept_after_failure(proc, stderr: str) -> None:
-    """The kept directory is printed, holds both ranks' output (the
+    """The kept directory is printed last, holds both ranks' output (the
     ``docker_train`` worker's crash mode), and is no longer a run a later agent
     would collect. Removes it."""
     assert proc.returncode == 1, stderr[-2000:]
     match = KEPT.search(stderr)
     assert match, stderr[-2000:]
+    # the last line, after torchrun's summary, and no launcher traceback to bury it
+    assert stderr.rstrip().splitlines()[-1] == match.group(0), stderr[-2000:]
+    assert "Root Cause (first observed failure)" in stderr and "ChildFailedError" not in stderr, stderr[-2000:]
     kept = match.group(1)
     try:
         assert os.path.isdir(kept) and run_dirs(proc.pid) == [os.path.basename(os.path.dirname(kept))]

@@ -2,9 +2,9 @@
 
 Two simulated vendor groups (cpu1 limited to a third of a core), backend
 kaitian, re-balancing on, ``--monitor``: the job must reach the accuracy, print
-each group's batch and throughput (or that cpu1 is benched, when the step-cost
-model finds that it does not pay on this machine), and leave the monitor's plot
-and summary.
+each group's batch, throughput and speed (cpu1's slower from the first epoch;
+or that cpu1 is benched, when the step-cost model finds that it does not pay
+on this machine), and leave the monitor's plot and summary, of this run only.
 """
 
 import json
@@ -30,6 +30,8 @@ def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
     }}, str(config))
     env["KAITIAN_CONFIG"] = str(config)
     monitor = tmp_path / "monitor"
+    monitor.mkdir()
+    (monitor / "rank-0.jsonl").write_text('{"rank": 0, "step": 0, "samples": 64}\n')  # an earlier run's
     cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--nproc-auto", "--cpu-slots", "2",
            "--cpu-groups", "2", "--cpu-quota", "1,0.33", "--monitor", str(monitor),
            os.path.join(ROOT, "examples", "train_digits.py"), "--epochs", "12",
@@ -40,6 +42,10 @@ def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
     epochs = re.findall(r"epoch +(\d+) .*cpu0: batch +(\d+) .*cpu1: batch +(\d+|benched) .*total +(\d+) samples/s", out)
     assert len(epochs) == 12, out[-3000:]
     assert all(int(a) + (0 if b == "benched" else int(b)) == 128 for _, a, b, _ in epochs)  # global batch kept
+    # each group's own speed, cpu1's slower from the first epoch on (in lock-step their throughputs are alike)
+    speeds = re.search(r"epoch +1 .*cpu0: .*\(speed +(\d+)/s\) .*cpu1: .*\(speed +(\d+)/s\)", out)
+    assert speeds and int(speeds.group(2)) < int(speeds.group(1)), out[-3000:]
+    assert (monitor / "previous" / "rank-0.jsonl").exists()  # set aside, not counted below
     records = [json.loads(line) for line in (monitor / "rank-0.jsonl").read_text().splitlines()]
     first = next(r for r in records if r.get("kind", "step") == "step")
     assert first["samples"] == 96  # the first step: the capability split from the config (3:1)
@@ -52,4 +58,4 @@ def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
     assert int(rows[0][3]) == 12 * 12  # steps recorded: every one on cpu0, cpu1's until it was benched
     assert (rows[1][5] == "benched") == (epochs[-1][2] == "benched"), (summary, out[-3000:])
     assert (int(rows[1][3]) < 12 * 12) == any(b == "benched" for _, _, b, _ in epochs), summary
-    assert "job throughput" in summary
+    assert "job throughput" in summary and "vs an equal split: " in summary

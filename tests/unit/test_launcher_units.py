@@ -97,7 +97,7 @@ def test_select_rules(env, flag, expected):
     "env,needle",
     [
         ({"USE_CUDA": "2"}, "USE_CUDA=2: no such device 2"),
-        ({"USE_MLU": "0,x"}, "USE_MLU='0,x' is malformed"),
+        ({"USE_MLU": "0,x"}, "USE_MLU='0,x' is malformed: use all, -1 (none), or indices like 0,1"),
         ({"USE_CUDA": "0,0"}, "listed twice"),
         ({"USE_CUDA": "-1", "USE_MLU": "-1", "USE_CPU": "-1"}, "no device selected"),
     ],
