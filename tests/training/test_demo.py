@@ -3,7 +3,7 @@
 Two simulated vendor groups (cpu1 limited to a third of a core), backend
 kaitian, re-balancing on, ``--monitor``: the job must reach the accuracy, print
 each group's batch, throughput and speed (cpu1's slower from the first epoch;
-or that cpu1 is benched, when the step-cost model finds that it does not pay
+or that a group is benched, when the step-cost model finds that it does not pay
 on this machine), and leave the monitor's plot and summary, of this run only.
 """
 
@@ -39,9 +39,12 @@ def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    epochs = re.findall(r"epoch +(\d+) .*cpu0: batch +(\d+) .*cpu1: batch +(\d+|benched) .*total +(\d+) samples/s", out)
+    # either group may be benched (on a busy machine the model may find cpu0 the slower); never both
+    epochs = re.findall(r"epoch +(\d+) .*cpu0: batch +(\d+|benched) .*cpu1: batch +(\d+|benched) "
+                        r".*total +(\d+) samples/s", out)
     assert len(epochs) == 12, out[-3000:]
-    assert all(int(a) + (0 if b == "benched" else int(b)) == 128 for _, a, b, _ in epochs)  # global batch kept
+    batch = lambda b: 0 if b == "benched" else int(b)  # noqa: E731
+    assert all(batch(a) + batch(b) == 128 for _, a, b, _ in epochs)  # global batch kept
     # each group's own speed, cpu1's slower from the first epoch on (in lock-step their throughputs are alike)
     speeds = re.search(r"epoch +1 .*cpu0: .*\(speed +(\d+)/s\) .*cpu1: .*\(speed +(\d+)/s\)", out)
     assert speeds and int(speeds.group(2)) < int(speeds.group(1)), out[-3000:]
@@ -55,7 +58,8 @@ def test_digits_demo_trains_to_accuracy_with_monitor(tmp_path):
     summary = (monitor / "summary.txt").read_text()
     rows = [l.split() for l in summary.splitlines()[1:3]]
     assert [r[2] for r in rows] == ["cpu0", "cpu1"]
-    assert int(rows[0][3]) == 12 * 12  # steps recorded: every one on cpu0, cpu1's until it was benched
-    assert (rows[1][5] == "benched") == (epochs[-1][2] == "benched"), (summary, out[-3000:])
-    assert (int(rows[1][3]) < 12 * 12) == any(b == "benched" for _, _, b, _ in epochs), summary
+    for group, row in enumerate(rows):  # steps recorded: every one, or until the group was benched
+        benched = [e[1 + group] == "benched" for e in epochs]
+        assert (row[5] == "benched") == benched[-1], (summary, out[-3000:])
+        assert (int(row[3]) < 12 * 12) == any(benched), summary
     assert "job throughput" in summary and "vs an equal split: " in summary
