@@ -34,8 +34,10 @@ __all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split
 
 # Batch sizes whose spread (relative to their mean) is below this cannot tell a from b.
 ALIKE = 0.05
-# Steps a fit needs before a step far off it counts as a change of regime.
+# Steps a fit needs before a step far off it counts as a change of regime ...
 _SETTLED = 4
+# ... and steps in a row far off it that start a new fit.
+_NEW_REGIME = 3
 # Up to this many ranks every subset is tried (4096 split computations); beyond, whole vendor
 # groups and the fastest ranks of them.
 _EVERY_SUBSET = 12
@@ -71,17 +73,18 @@ class StepCostFit:
         self._surprises = 0  # steps in a row far off the fit
 
     def add(self, samples: int, seconds: float) -> None:
-        """Adds a step. Two steps in a row off what the fit expects (below half, or above one and
-        a half times) start a new fit from them: a device that became several times slower (or
-        faster) is a new regime, and a fit across both would read the change as a fixed cost."""
+        """Adds a step. Steps in a row off what the fit expects by more than twice (either way)
+        start a new fit from them: a device that became several times slower (or faster) is a
+        new regime, and a fit across both would read the change as a fixed cost. A busy machine
+        stretches single steps that much, rarely several in a row."""
         if not (samples > 0 and seconds > 0 and math.isfinite(seconds)):
             return
         if len(self.points) >= _SETTLED:
             low, high = self._expected(samples)
-            self._surprises = self._surprises + 1 if not 0.5 * low <= seconds <= 1.5 * high else 0
+            self._surprises = self._surprises + 1 if not 0.5 * low <= seconds <= 2.0 * high else 0
         self.points.append((int(samples), float(seconds)))
-        if self._surprises >= 2:
-            for _ in range(len(self.points) - 2):
+        if self._surprises >= _NEW_REGIME:
+            for _ in range(len(self.points) - _NEW_REGIME):
                 self.points.popleft()
             self._surprises = 0
 
