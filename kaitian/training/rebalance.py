@@ -180,25 +180,7 @@ class Rebalancer:
         self._own_cap, self._caps = self._parse_caps(max_batch_size)
         self._fit = StepCostFit()
         self._cost: Optional[StepCost] = None  # this rank's smoothed fit
-        self._comm = [0.0, 0]  # communication seconds and steps since the last round
-        self._busy = [0.0, 0]  # step seconds and steps since the last round (the measured step)
-        self._exchange_s = 0.0  # the last measured exchange of more than one training rank
-        self._skip = self.warmup_steps
-        self._step = 0
-        self._steps_done = 0  # synchronised steps this rank took part in
-        self._epoch_steps = 0  # ... in this epoch's pass
-        self._one_micro = True  # every step so far was one batch (no accumulation)
-        self._ddp_step = 0
-        self._switch: Optional[Tuple[int, List[int]]] = None  # (step, ranks): the trainers' next group
-        self._epoch_samples = 0  # global samples trained in this epoch's pass ...
-        self._epoch_total: Optional[int] = None  # ... of all it has
-        self._sync_due = False
         self._last_round = time.monotonic()
-        self._groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
-        self._known = [StepCost(0.0, 0.0)] * self.world  # every rank's cost as of the last round it took part in
-        self._known_caps: List[Optional[int]] = [None] * self.world
-        self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
-        self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
         # called while a benched rank waits for its next message; it may raise to end the wait
         # (kaitian.elastic: a training rank was lost)
         self.while_waiting: Optional[Callable[[], None]] = None
@@ -214,7 +196,29 @@ class Rebalancer:
         sampler.add_epoch_hook(self._on_epoch)
 
     def _attach(self, model, group: Optional[dist.ProcessGroup] = None) -> None:
-        """Measures ``model``'s steps and runs the rounds in its process group; ``model`` trains on the sampler."""
+        """Measures ``model``'s steps and runs the rounds in its process group; ``model`` trains on the sampler.
+
+        Everything counted in a group starts afresh, the same on every rank (a joiner's too):
+        what decides whether a round may bench must agree.
+        """
+        self._comm = [0.0, 0]  # communication seconds and steps since the last round
+        self._busy = [0.0, 0]  # step seconds and steps since the last round (the measured step)
+        self._exchange_s = 0.0  # the last measured exchange of more than one training rank
+        self._skip = self.warmup_steps
+        self._step = 0
+        self._steps_done = 0  # synchronised steps this rank took part in
+        self._epoch_steps = 0  # ... in this epoch's pass
+        self._one_micro = True  # every step so far was one batch (no accumulation)
+        self._ddp_step = 0
+        self._switch: Optional[Tuple[int, List[int]]] = None  # (step, ranks): the trainers' next group
+        self._epoch_samples = 0  # global samples trained in this epoch's pass ...
+        self._epoch_total: Optional[int] = None  # ... of all it has
+        self._sync_due = False
+        self._groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+        self._known = [StepCost(0.0, 0.0)] * self.world  # every rank's cost as of the last round it took part in
+        self._known_caps: List[Optional[int]] = [None] * self.world
+        self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
+        self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
         model.use_sampler(self.sampler)
         self._device = model.device
         self.world_group = group if group is not None else model.process_group
@@ -247,17 +251,6 @@ class Rebalancer:
         if self._caps is not None and len(self._caps) != self.world:
             _log.warning("re-balancer: the per-rank max_batch_size list does not match the new world; dropped")
             self._caps = None
-        self._comm, self._busy = [0.0, 0], [0.0, 0]
-        self._skip = self.warmup_steps
-        self._step = 0
-        self._epoch_samples, self._epoch_steps, self._epoch_total, self._sync_due = 0, 0, None, False
-        self._switch, self._sending, self._received = None, [], 0  # of the old group
-        # What decides whether a round may bench must be the same on every rank, a joiner's too:
-        # counted from here on.
-        self._steps_done, self._one_micro, self._exchange_s = 0, True, 0.0
-        self._groups = {}
-        self._known = [StepCost(0.0, 0.0)] * self.world
-        self._known_caps = [None] * self.world
         self._attach(model)
         self._vendor_groups = self._exchange_vendor_groups()
 

@@ -110,7 +110,8 @@ def check_exact(run: Run, epochs: int, global_batch: int, lr: float = 0.1, momen
     for applied, batch in enumerate(batches, start=1):
         # A step redone by a later generation from an older state (every rank that had applied it
         # was lost: the benched ranks go on from their copy of the epoch's end) counts as redone.
-        recs = [r for r in steps[applied] if r["generation"] == max(r["generation"] for r in steps[applied])]
+        last = max(r["generation"] for r in steps[applied])
+        recs = [r for r in steps[applied] if r["generation"] == last]
         assert len({(r["generation"], r["world"], tuple(r["split"])) for r in recs}) == 1, recs
         world, split = recs[0]["world"], recs[0]["split"]
         assert sum(split) == global_batch and len(split) == world
