@@ -143,7 +143,7 @@ def test_whole_vendor_group_then_sigstop_with_two_more_losses_while_it_is_handle
 
 
 def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path):
-    """Every sample costs 5 ms; launch rank 2 (cpu1) costs 0.1 s more a step and is benched (a hot
+    """Every sample costs 5 ms; launch rank 2 (cpu1) costs 0.3 s more a step and is benched (a hot
     spare, in no step's collective). Rank 1 is lost in epoch 1: the spare trains in the next
     generation with the same global batch, from rank 0's live state (or, when a busy machine had
     rank 0 benched too, from the spares' copy of the epoch's end: those steps are redone), and the
@@ -151,7 +151,7 @@ def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path):
     run = run_elastic(
         tmp_path,
         ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
-        ["--epochs", "3", "--rebalance", "--sample-sleep", "0.005", "--slow", "2:0.1", "--fail", "forward@15:1",
+        ["--epochs", "3", "--rebalance", "--sample-sleep", "0.005", "--slow", "2:0.3", "--fail", "forward@15:1",
          "--degraded-sleep", "0"],
     )
     assert run.returncode == 0, run.output[-6000:]
