@@ -40,7 +40,7 @@ def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
 
 
 def test_every_step_rebalancing_works():
-    r0, r1 = _run("--steps", "60", "--slow-from", "10", "--every", "1")
+    r0, r1 = _run("--steps", "120", "--slow-from", "10", "--every", "1")
     assert r0["history"] == r1["history"]
     assert len(r0["history"]) >= 50  # a round before (nearly) every step
     assert sum(1 for h in r0["history"] if h[3]) >= 2
