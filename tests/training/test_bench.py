@@ -8,6 +8,7 @@ rank ends with the weights of one process trained on the same global batches
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -38,14 +39,20 @@ def _replay(trained_by_rank, epochs):
     return [p.detach().reshape(-1).tolist() for p in net.parameters()], opt.param_groups[0]["lr"]
 
 
-def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_exact():
-    run = run_ranks(Layout("1+1"), [worker("bench_spare")], timeout=180)
+@pytest.mark.parametrize("devices", [("cpu", "cpu"), ("mlu", "cpu")], ids=["cpu+cpu", "fake-mlu+cpu"])
+def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_exact(devices):
+    """On a fake MLU rank 0's state goes to the CPU spare from the device, and comes back to the
+    device when rank 0 is benched in turn (the fake accelerator punishes a missing stream wait)."""
+    if "mlu" in devices:
+        pytest.importorskip("kaitian.testing._fake_accelerator", reason="the fake accelerator needs torch 2.13+")
+    run = run_ranks(Layout("1+1", devices=devices), [worker("bench_spare")], timeout=180)
     try:
         assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
         r0, r1 = (json.load(open(out)) for out in run.outs)
         log0 = tail(run.logs[0], 1000)
     finally:
         cleanup(run)
+    assert [r0["device"], r1["device"]] == list(devices)
     weights, lr = _replay([r0["trained"], r1["trained"]], epochs=7)
     for r in (r0, r1):  # the spare's copy too: it received the state at each epoch's end
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9

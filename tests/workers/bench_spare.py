@@ -1,6 +1,7 @@
 """Worker: a rank that does not pay is benched (a hot spare) and called back, exactly.
 
-torchrun-style (environment, backend kaitian, JSON to ``KT_OUT``). fp64 MLP,
+torchrun-style (environment, backend kaitian, JSON to ``KT_OUT``), on the rank's
+device (a fake MLU: the state crosses between device and host both ways). fp64 MLP,
 SGD with momentum and a per-batch LR schedule (handed to the spares with the
 optimizer: ``state=``), a loader that draws two batches ahead. Rank 1 has a
 fixed cost of ``--slow1`` s a step (a sleep: the busy time the re-balancer
@@ -45,7 +46,7 @@ def main():
     args, _ = p.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("kaitian")
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), kaitian.device()
     kaitian.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 8, generator=g, dtype=torch.float64)
@@ -53,7 +54,7 @@ def main():
     ds = TensorDataset(x, y, torch.arange(200))
     sampler = kaitian.DistributedSampler(ds, batch_size=16, capabilities=[1.0, 1.0])  # 6 steps of 32, one of 8
     torch.manual_seed(1234)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double().to(device)
     model = kaitian.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
@@ -67,16 +68,17 @@ def main():
                 shares.append([epoch, sampler.split])
             slow = args.slow1 if rank == 1 else (args.slow0 if epoch >= args.turn else 0.0)
             opt.zero_grad()
-            out = model(xb)
+            out = model(xb.to(device))
             time.sleep(slow)
-            F.mse_loss(out, yb).backward()
+            F.mse_loss(out, yb.to(device)).backward()
             opt.step()
             schedule.step()
             trained.append([epoch, step, index.tolist()])
     with open(os.environ["KT_OUT"], "w") as f:
         json.dump({
             "rank": rank, "trained": trained, "shares": shares, "lr": opt.param_groups[0]["lr"],
-            "weights": [p.detach().reshape(-1).tolist() for p in net.parameters()],
+            "device": device.type,
+            "weights": [p.detach().cpu().reshape(-1).tolist() for p in net.parameters()],
             "history": [[d.step, d.epoch, d.old, d.new, [round(a, 4) for a in d.fixed_s],
                          [round(b, 5) for b in d.per_sample_s]] for d in balancer.history],
             "exchange": balancer.state_dict()["exchange_s"],
