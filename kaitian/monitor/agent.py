@@ -385,7 +385,7 @@ def equal_split_gain(rounds: List[dict]) -> Optional[Tuple[float, float]]:
         return None
     total, world = sum(last["new"]), len(last["new"])
     equal = [total // world + (r < total % world) for r in range(world)]
-    equal_s = predicted_step(equal, costs, last.get("exchange_s", 0.0))
+    equal_s = predicted_step(equal, costs, last.get("exchange_s", 0.0), last.get("groups"), last.get("within_s"))
     return equal_s / last["predicted_s"], equal_s
 
 

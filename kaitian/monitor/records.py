@@ -72,7 +72,8 @@ class StepRecorder:
             "rank": self.rank, "kind": "rebalance", "time": time.time(), "step": decision.step,
             "old": decision.old, "new": decision.new, "applied": decision.applied,
             "per_sample_s": decision.per_sample_s, "fixed_s": decision.fixed_s,
-            "exchange_s": decision.exchange_s, "predicted_s": decision.predicted_s,
+            "exchange_s": decision.exchange_s, "within_s": decision.within_s, "groups": decision.groups,
+            "predicted_s": decision.predicted_s,
             "measured_s": decision.measured_s,
         })
 

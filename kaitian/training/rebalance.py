@@ -69,7 +69,9 @@ class RebalanceDecision:
             zeros: benched ranks).
         applied: whether ``new`` was handed to the sampler.
         fixed_s: each rank's fitted fixed seconds per step (``a``).
-        exchange_s: the gradient exchange's time used in the prediction.
+        exchange_s: the gradient exchange's time across vendor groups used in the prediction.
+        within_s: per vendor group, the exchange's time among its ranks alone (as measured).
+        groups: each rank's vendor group (the keys of ``within_s``).
         predicted_s: the predicted step time of ``new``.
         measured_s: the mean step time measured since the last round (this rank's clock).
     """
@@ -82,6 +84,8 @@ class RebalanceDecision:
     applied: bool
     fixed_s: List[float] = field(default_factory=list)
     exchange_s: float = 0.0
+    within_s: Dict[str, float] = field(default_factory=dict)
+    groups: List[str] = field(default_factory=list)
     predicted_s: float = 0.0
     measured_s: float = 0.0
 
@@ -203,7 +207,8 @@ class Rebalancer:
         """
         self._comm = [0.0, 0]  # communication seconds and steps since the last round
         self._busy = [0.0, 0]  # step seconds and steps since the last round (the measured step)
-        self._exchange_s = 0.0  # the last measured exchange of more than one training rank
+        self._exchange_s = 0.0  # the last measured exchange of training ranks in several vendor groups
+        self._within_s: Dict[str, float] = {}  # ... and of ranks all in one group, per group
         self._skip = self.warmup_steps
         self._step = 0
         self._steps_done = 0  # synchronised steps this rank took part in
@@ -378,7 +383,11 @@ class Rebalancer:
         training = [r for r, n in enumerate(old) if n > 0]
         costs, comm, caps, measured, ahead = self._exchange(training, self.group)
         if comm is not None and len(training) > 1:
-            self._exchange_s = comm
+            groups = {self._vendor_groups[r] for r in training}
+            if len(groups) == 1:
+                self._within_s[groups.pop()] = comm
+            else:
+                self._exchange_s = comm
         # Benching: at an epoch start, or once an epoch between steps of whole batches (the
         # lead of the loaders that draw ahead is known); calling back only at an epoch start.
         bench = self.sampler.benching and self._steps_done >= 2 and (
@@ -389,7 +398,8 @@ class Rebalancer:
             try:
                 decision = solve_split(
                     self.sampler.global_batch_size, costs, self._vendor_groups, self._exchange_s, old,
-                    self.sampler.min_batch_size, caps, allow_bench=bench, training=candidates)
+                    self.sampler.min_batch_size, caps, allow_bench=bench, training=candidates,
+                    within_s=self._within_s)
                 predicted = decision.current_s
                 if decision.predicted_s < decision.current_s * (1.0 - self.min_gain):
                     new, predicted = decision.split, decision.predicted_s
@@ -416,16 +426,19 @@ class Rebalancer:
         decision_record = RebalanceDecision(
             step=self._step, epoch=self.sampler.epoch, per_sample_s=[c.per_sample_s for c in costs],
             old=old, new=new, applied=applied, fixed_s=[c.fixed_s for c in costs],
-            exchange_s=self._exchange_s, predicted_s=predicted, measured_s=measured,
+            exchange_s=self._exchange_s, within_s=dict(self._within_s), groups=list(self._vendor_groups),
+            predicted_s=predicted, measured_s=measured,
         )
         self.history.append(decision_record)
         self._fit_window_done()
         if self._recorder is not None:
             self._recorder.record_rebalance(decision_record)
         _log.info(
-            "rebalance at step %d: step cost %s, exchange %.3g s -> split %s%s (predicted %.3g s, measured %.3g s)",
+            "rebalance at step %d: step cost %s, exchange %.3g s (within a group: %s) -> split %s%s "
+            "(predicted %.3g s, measured %.3g s)",
             decision_record.step, ["%.3g+%.3g*n" % (c.fixed_s, c.per_sample_s) for c in costs],
-            self._exchange_s, new, "" if applied else " (kept)", predicted, measured,
+            self._exchange_s, {g: float("%.3g" % t) for g, t in self._within_s.items()} or "not measured", new,
+            "" if applied else " (kept)", predicted, measured,
         )
         return decision_record
 
@@ -511,8 +524,10 @@ class Rebalancer:
             return
         spares = [r for r, n in enumerate(old) if n == 0]
         # the split, and what it was decided from: a rank called back decides with the others next
+        within = [self._within_s.get(g, -1.0) for g in self._vendor_groups]
         message = torch.tensor([self.sampler.epoch, *new, *(c.fixed_s for c in self._known),
-                                *(c.per_sample_s for c in self._known), self._exchange_s], dtype=torch.float64)
+                                *(c.per_sample_s for c in self._known), *within, self._exchange_s],
+                               dtype=torch.float64)
         self._send([message], spares)
         called_back = [r for r in spares if new[r] > 0]
         if called_back:
@@ -522,7 +537,7 @@ class Rebalancer:
         """A benched rank at an epoch start: the first training rank's word on the new split."""
         source = self._source()
         world = self.world
-        message = torch.empty(3 * world + 2, dtype=torch.float64)
+        message = torch.empty(4 * world + 2, dtype=torch.float64)
         self._await_message()
         dist.recv(message, source, group=self.world_group)
         values = message.tolist()
@@ -532,6 +547,8 @@ class Rebalancer:
                                 f"at epoch {self.sampler.epoch} (ranks at different epochs?)")
         fixed, per_sample = values[world + 1:2 * world + 1], values[2 * world + 1:3 * world + 1]
         self._known = [StepCost(a, b) for a, b in zip(fixed, per_sample)]
+        within = values[3 * world + 1:4 * world + 1]
+        self._within_s = {g: t for g, t in zip(self._vendor_groups, within) if t >= 0}
         self._exchange_s = values[-1]
         old = self.sampler.split
         self.sampler.set_split(new, after_draws=None)
@@ -624,7 +641,8 @@ class Rebalancer:
         """
         costs = self._exchange(list(range(self.world)), self.world_group)[0]
         return {"per_sample_s": [c.per_sample_s for c in costs], "fixed_s": [c.fixed_s for c in costs],
-                "exchange_s": self._exchange_s, "step": self._step, "world": self.world}
+                "exchange_s": self._exchange_s, "within_s": dict(self._within_s), "step": self._step,
+                "world": self.world}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`: this rank's fitted step cost comes back."""
@@ -635,6 +653,7 @@ class Rebalancer:
         fixed = float(state.get("fixed_s", [0.0] * self.world)[rank])
         self._cost = StepCost(fixed, per_sample) if per_sample > 0 else None
         self._exchange_s = float(state.get("exchange_s", 0.0))
+        self._within_s = {str(g): float(t) for g, t in state.get("within_s", {}).items()}
         self._step = int(state["step"])
         self._fit.clear()
         self._fit_window_done()

@@ -11,7 +11,10 @@ ranks ``S`` then takes
 
 where ``c(S)`` is the gradient exchange: nothing for one rank, else as
 measured (the smallest communication time of any rank in the step, which
-waits for nobody). :func:`solve_split` chooses, for a fixed global batch, the
+waits for nobody), apart for ranks that span vendor groups (the bridge:
+``exchange_s``) and ranks all in one group (its vendor library: ``within_s``
+of that group; one not measured yet is charged nothing, so that the solver
+tries it and measures it). :func:`solve_split` chooses, for a fixed global batch, the
 split with the smallest predicted ``T`` over the subsets of ranks (a rank may
 get zero samples), each vendor group alone among them, so the step it
 predicts is never slower than the fastest group alone would take.
@@ -26,11 +29,11 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kaitian.errors import SplitError
 
-__all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split", "predicted_step"]
+__all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split", "predicted_step", "exchange_of"]
 
 # Batch sizes whose spread (relative to their mean) is below this cannot tell a from b.
 ALIKE = 0.05
@@ -163,11 +166,25 @@ class SplitDecision:
         return [r for r, n in enumerate(self.split) if n == 0]
 
 
-def predicted_step(split: Sequence[int], costs: Sequence[StepCost], exchange_s: float) -> float:
-    """``T`` of a split: the slowest training rank plus the exchange when more than one trains."""
+def exchange_of(ranks: Sequence[int], exchange_s: float, groups: Optional[Sequence[str]] = None,
+                within_s: Optional[Mapping[str, float]] = None) -> float:
+    """``c(S)``: nothing for one rank; ``within_s`` of their group for ranks all in one vendor
+    group (a group not in it is not measured yet: nothing); else ``exchange_s``. Without
+    ``within_s`` (or the groups), ``exchange_s`` for any two ranks or more."""
+    if len(ranks) < 2:
+        return 0.0
+    if within_s is None or not groups:
+        return exchange_s
+    names = {groups[r] for r in ranks}
+    return within_s.get(names.pop(), 0.0) if len(names) == 1 else exchange_s
+
+
+def predicted_step(split: Sequence[int], costs: Sequence[StepCost], exchange_s: float,
+                   groups: Optional[Sequence[str]] = None, within_s: Optional[Mapping[str, float]] = None) -> float:
+    """``T`` of a split: the slowest training rank plus the exchange of the ranks that train."""
     active = [r for r, n in enumerate(split) if n > 0]
     slowest = max(costs[r].at(split[r]) for r in active)
-    return slowest + (exchange_s if len(active) > 1 else 0.0)
+    return slowest + exchange_of(active, exchange_s, groups, within_s)
 
 
 def _water_fill(total: int, ranks: Sequence[int], costs: Sequence[StepCost], minimum: int,
@@ -231,6 +248,7 @@ def solve_split(
     caps: Optional[Sequence[Optional[int]]] = None,
     allow_bench: bool = False,
     training: Optional[Sequence[int]] = None,
+    within_s: Optional[Mapping[str, float]] = None,
 ) -> SplitDecision:
     """The split of ``global_batch`` with the smallest predicted step.
 
@@ -238,7 +256,10 @@ def solve_split(
         global_batch: samples per step over all ranks.
         costs: each rank's step cost (all known).
         groups: each rank's vendor group (a group alone is always a candidate).
-        exchange_s: the gradient exchange's time when more than one rank trains.
+        exchange_s: the gradient exchange's time when ranks of several vendor groups train
+            (of any two ranks or more without ``within_s``).
+        within_s: per vendor group, the exchange's time when only ranks of that group train
+            (a group not in it is charged nothing: it is tried, and measured).
         current: the split in use.
         minimum: the smallest batch of a rank that trains.
         caps: per-rank maximum batch (``None`` = no cap).
@@ -276,7 +297,7 @@ def solve_split(
         split = _water_fill(global_batch, ranks, costs, minimum, caps, world)
         if split is None:
             continue
-        candidate = Candidate(tuple(split), predicted_step(split, costs, exchange_s))
+        candidate = Candidate(tuple(split), predicted_step(split, costs, exchange_s, groups, within_s))
         own = {groups[r] for r in ranks}
         if len(own) == 1 and len(ranks) == sum(1 for r in allowed if groups[r] in own):
             alone[own.pop()] = candidate.predicted_s
@@ -284,4 +305,5 @@ def solve_split(
             best = candidate
     if best is None:
         raise SplitError(f"no set of ranks can hold the global batch {global_batch} (minimum {minimum}, caps {caps})")
-    return SplitDecision(list(best.split), best.predicted_s, predicted_step(current, costs, exchange_s), alone)
+    return SplitDecision(list(best.split), best.predicted_s,
+                         predicted_step(current, costs, exchange_s, groups, within_s), alone)

@@ -8,7 +8,7 @@ import pytest
 from kaitian.errors import SplitError
 from kaitian.training.sampler import DistributedSampler
 from kaitian.training.split import SplitSchedule, epoch_layout
-from kaitian.training.stepcost import StepCost, StepCostFit, predicted_step, solve_split
+from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, predicted_step, solve_split
 
 
 def test_the_fit_follows_a_rank_that_slows_down():
@@ -60,14 +60,14 @@ def test_alike_batches_are_read_as_all_per_sample_and_noise_keeps_both_parts_phy
     assert cost.at(40) > 0  # positive where it was measured
 
 
-def _brute_force(total, costs, exchange, minimum=1):
+def _brute_force(total, costs, exchange, minimum=1, groups=None, within=None):
     """The best predicted step over every split of ``total`` (tiny cases)."""
     best = None
     world = len(costs)
     for split in itertools.product(range(total + 1), repeat=world):
         if sum(split) != total or any(0 < n < minimum for n in split):
             continue
-        t = predicted_step(split, costs, exchange)
+        t = predicted_step(split, costs, exchange, groups, within)
         best = t if best is None else min(best, t)
     return best
 
@@ -79,11 +79,12 @@ def test_the_solver_finds_the_best_split_over_every_subset(seed):
     costs = [StepCost(rng.choice([0.0, rng.uniform(0, 0.05)]), rng.uniform(1e-4, 5e-3)) for _ in range(world)]
     groups = [f"g{rng.randint(0, 1)}" for _ in range(world)]
     exchange = rng.choice([0.0, 0.002, 0.02])
+    within = rng.choice([None, {}, {"g0": rng.choice([0.0, 0.001, 0.03])}])  # g1's not measured (when given)
     total = rng.randint(world, 24)
     current = [total // world] * (world - 1) + [total - total // world * (world - 1)]
-    decision = solve_split(total, costs, groups, exchange, current, allow_bench=True)
+    decision = solve_split(total, costs, groups, exchange, current, allow_bench=True, within_s=within)
     assert sum(decision.split) == total
-    assert decision.predicted_s == pytest.approx(_brute_force(total, costs, exchange), abs=1e-12)
+    assert decision.predicted_s == pytest.approx(_brute_force(total, costs, exchange, 1, groups, within), abs=1e-12)
     for group, alone in decision.alone_s.items():  # never slower than a vendor group alone
         assert decision.predicted_s <= alone + 1e-15
 
@@ -99,6 +100,26 @@ def test_a_rank_with_a_high_fixed_cost_or_an_expensive_exchange_gets_nothing():
     assert solve_split(128, equal, ["a", "b"], 0.08, [64, 64], allow_bench=True).split == [128, 0]
     # without benching every rank keeps its minimum
     assert solve_split(128, [fast, slow], ["cuda", "cpu"], 0.002, [64, 64], minimum=2).split == [126, 2]
+
+
+def test_the_exchange_within_a_group_is_charged_apart_from_the_one_across_groups():
+    """Ranks 0 and 1 in group a, rank 2 (slow) in b. The measured exchange across groups (with
+    rank 2 in it) is not charged to ranks 0 and 1 alone: their own, once measured, is."""
+    fast, slow = StepCost(0.002, 0.0001), StepCost(0.05, 0.002)
+    costs, groups = [fast, fast, slow], ["a", "a", "b"]
+    across = 0.02  # the bridge, with the slow rank's host in it
+    # one cost for every set of ranks (no within_s): two fast ranks pay the bridge's 20 ms, one alone is best
+    assert solve_split(128, costs, groups, across, [43, 43, 42], allow_bench=True).split == [128, 0, 0]
+    # group a's own exchange not measured yet: tried (charged nothing) ...
+    decision = solve_split(128, costs, groups, across, [43, 43, 42], allow_bench=True, within_s={})
+    assert decision.split == [64, 64, 0] and decision.alone_s["a"] == pytest.approx(0.002 + 0.0064)
+    # ... measured cheap: kept; measured dear: one rank alone
+    assert solve_split(128, costs, groups, across, [64, 64, 0], allow_bench=True, within_s={"a": 0.001}).split == [
+        64, 64, 0]
+    assert solve_split(128, costs, groups, across, [64, 64, 0], allow_bench=True, within_s={"a": 0.01}).split == [
+        128, 0, 0]
+    assert exchange_of([0, 2], across, groups, {"a": 0.001}) == across
+    assert exchange_of([1], across, groups, {"a": 0.001}) == 0.0
 
 
 def test_the_solver_is_deterministic_and_takes_the_lower_rank_on_ties():
