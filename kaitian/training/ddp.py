@@ -281,6 +281,8 @@ class DistributedDataParallel(_TorchDDP):
                 raise TrainingError(f"kaitian.DistributedDataParallel cannot train in a subgroup: {blocker}")
         self.training_group = group
         self._kt_avg_op = dist.get_backend(group) in _AVERAGING_BACKENDS
+        # A round the old group voted for is not the new one's: a rank called back has no vote pending.
+        self._kt_state.round_requested = False
         # The scale reference must be the same on every member: ranks that come back from
         # the bench hold the one of their last step.
         batch = self._kt_sampler.global_batch_size if self._kt_sampler is not None else group.size()

@@ -212,6 +212,9 @@ class Rebalancer:
         self._skip = self.warmup_steps
         self._step = 0
         self._steps_done = 0  # synchronised steps this rank took part in
+        # ... since the last round: the same on every training rank (a rank called back from the
+        # bench took fewer steps than the others, so no count of its own steps can time the rounds)
+        self._since_round = 0
         self._epoch_steps = 0  # ... in this epoch's pass
         self._one_micro = True  # every step so far was one batch (no accumulation)
         self._ddp_step = 0
@@ -300,6 +303,7 @@ class Rebalancer:
     def _on_step_end(self, global_samples: int, micro_batches: int) -> None:
         """Each synchronised step as it ends (timings may come a step later, on a device)."""
         self._steps_done += 1
+        self._since_round += 1
         self._epoch_steps += 1
         self._one_micro = self._one_micro and micro_batches == 1
         self._epoch_samples += global_samples
@@ -351,8 +355,9 @@ class Rebalancer:
         if self._switch is not None and step >= self._switch[0]:
             self._train_in(self._switch[1])
             self._switch = None
-        first = step == _FIRST_ROUND and not self.history
-        if step > 0 and (step % self.every == 0 or round_requested or first):
+        since = self._since_round
+        first = since == _FIRST_ROUND and not self.history
+        if since > 0 and (since >= self.every or round_requested or first):
             self.rebalance(after_draws=0)
 
     # -- the round --------------------------------------------------------------------
@@ -373,6 +378,7 @@ class Rebalancer:
             The decision, also appended to :attr:`history`.
         """
         self._last_round = time.monotonic()
+        self._since_round = 0
         fit = self._fit.cost() if self._fit.points else None
         if fit is not None:
             old_cost = self._cost
@@ -552,6 +558,7 @@ class Rebalancer:
         self._exchange_s = values[-1]
         old = self.sampler.split
         self.sampler.set_split(new, after_draws=None)
+        self._since_round = 0  # the trainers' round of this epoch start, counted as theirs
         me = dist.get_rank(self.world_group)
         if new[me] > 0:
             self._receive_state(source)

@@ -62,3 +62,25 @@ def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_ex
     # rank 0 costs 300 ms a step (from epoch 2)
     assert not {1, 2} <= epochs_of(r1) and 6 in epochs_of(r1), (r0["history"], r1["history"])
     assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0
+
+
+def test_a_spare_called_back_to_train_beside_the_others_keeps_the_rounds_in_step():
+    """Per-sample costs: rank 1 (4 ms a sample) is benched for the exchange it adds while rank 0
+    is fast, and called back to train beside it once rank 0 costs 6 ms a sample (from epoch 2).
+    The called-back rank took fewer steps than rank 0; rounds every 5 steps and rank 0's time
+    votes must still come at the same steps on both (a round on one rank only breaks the group)."""
+    argv = [worker("bench_spare"), "--per-sample", "--slow0", "0.006", "--slow1", "0.004", "--every", "5",
+            "--epochs", "9"]
+    run = run_ranks(Layout("1+1"), argv, timeout=180)
+    try:
+        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        r0, r1 = (json.load(open(out)) for out in run.outs)
+        log0 = tail(run.logs[0], 1000)
+    finally:
+        cleanup(run)
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=9)
+    for r in (r0, r1):
+        assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
+    assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0
+    both = [epoch for epoch, split in r0["shares"] if min(split) > 0]
+    assert both and max(both) == 8 and len(both) >= 3, r0["shares"]  # both train from the call-back to the end

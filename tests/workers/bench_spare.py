@@ -7,7 +7,9 @@ optimizer: ``state=``), a loader that draws two batches ahead. Rank 1 has a
 fixed cost of ``--slow1`` s a step (a sleep: the busy time the re-balancer
 measures) and is benched; from epoch ``--turn`` on rank 0 costs ``--slow0`` s a
 step, so that rank 1 alone is faster: at the next epoch start rank 1 is
-called back and rank 0 benched. Every rank writes the indices it trained per
+called back and rank 0 benched. With ``--per-sample`` both costs are per sample
+instead: rank 1 is benched for the exchange it adds, and called back to train
+beside rank 0 (their rounds must then stay in step, every ``--every`` steps). Every rank writes the indices it trained per
 (epoch, step), its shares and its final weights.
 """
 
@@ -43,6 +45,8 @@ def main():
     p.add_argument("--turn", type=int, default=2)
     p.add_argument("--slow0", type=float, default=0.3)
     p.add_argument("--slow1", type=float, default=0.05)
+    p.add_argument("--per-sample", action="store_true", help="--slow0 and --slow1 are seconds per sample")
+    p.add_argument("--every", type=int, default=25, help="the re-balancer's rounds: every this many steps")
     args, _ = p.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("kaitian")
@@ -58,7 +62,7 @@ def main():
     model = kaitian.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[schedule])
+    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[schedule], every=args.every)
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
     trained, shares = [], []
     for epoch in range(args.epochs):
@@ -67,6 +71,7 @@ def main():
             if step == 0:
                 shares.append([epoch, sampler.split])
             slow = args.slow1 if rank == 1 else (args.slow0 if epoch >= args.turn else 0.0)
+            slow *= len(xb) if args.per_sample else 1
             opt.zero_grad()
             out = model(xb.to(device))
             time.sleep(slow)
