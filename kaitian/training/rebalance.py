@@ -43,7 +43,7 @@ from kaitian import _torch as _te
 from kaitian.errors import SplitError, TrainingError
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.sampler import DistributedSampler
-from kaitian.training.stepcost import StepCost, StepCostFit, solve_split
+from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, solve_split
 
 __all__ = ["Rebalancer", "RebalanceDecision", "DEFAULT_EVERY", "DEFAULT_SECONDS"]
 
@@ -483,10 +483,12 @@ class Rebalancer:
         for r, (was, now) in enumerate(zip(old, decision.split)):
             if (was > 0) == (now > 0):
                 continue
+            with_it = [q for q, n in enumerate(old if now == 0 else decision.split) if n > 0]
+            exchange = exchange_of(with_it, self._exchange_s, self._vendor_groups, self._within_s)
             why = (f"the step is predicted {1e3 * decision.predicted_s:.3g} ms "
                    f"{'without' if now == 0 else 'with'} it and {1e3 * decision.current_s:.3g} ms "
                    f"{'with' if now == 0 else 'without'} it (its step {1e3 * costs[r].fixed_s:.3g} ms + "
-                   f"{1e3 * costs[r].per_sample_s:.3g} ms x samples, the exchange {1e3 * self._exchange_s:.3g} ms)")
+                   f"{1e3 * costs[r].per_sample_s:.3g} ms x samples, the exchange with it {1e3 * exchange:.3g} ms)")
             if now == 0:
                 _log.warning("rank %d benched: %s; a hot spare, called back at an epoch start when it pays", r, why)
             else:
