@@ -19,7 +19,8 @@ import uuid
 from typing import Dict, List, NoReturn, Optional
 
 from kaitian import _torch as _te
-from kaitian.launcher.launch import KaitianLaunch, launch_agent
+from kaitian.launcher.launch import launch_agent
+from kaitian.launcher.request import LaunchRequest
 from kaitian.launcher.logs import build_logs_specs
 from kaitian.launcher.plan import parse_cpu_quota, plan_node
 from kaitian.launcher.rundir import RunDir, collect_stale
@@ -222,7 +223,7 @@ def _resolve_rendezvous(args: argparse.Namespace) -> Optional[int]:
 
 
 @_te.record
-def _launch(config, cmd, cmd_args, kaitian: KaitianLaunch):
+def _launch(config, cmd, cmd_args, kaitian: LaunchRequest):
     return launch_agent(config, cmd, cmd_args, kaitian)
 
 
@@ -306,10 +307,10 @@ def run(args: argparse.Namespace) -> int:
                 log_dir=args.log_dir,
                 cwd=os.getcwd(),
                 options=runtime_options,
-                plan=plan,
+                cpu_quotas=plan.cpu_quotas,
             ),
         )
-        kaitian = KaitianLaunch(
+        kaitian = LaunchRequest(
             plan=plan,
             run_dir=run_dir,
             runtime=runtime,
@@ -318,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
             omp_from_user=omp_from_user,
             worker_store_port=worker_store_port,
             on_failure=args.on_failure,
+            min_nodes=config.min_nodes,
         )
         try:
             _launch(config, cmd, cmd_args, kaitian)

@@ -19,9 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
+from kaitian.devices.device import Device, WorkerDevice
 from kaitian.devices.inventory import discover, parse_devices_flag, select
-from kaitian.devices.visible import worker_visibility
 from kaitian.errors import PlanError
 
 __all__ = ["LocalWorker", "NodePlan", "PlanError", "parse_cpu_quota", "plan_node"]
@@ -64,12 +63,6 @@ class NodePlan:
     cpu_quotas: Mapping[str, float] = field(default_factory=dict)
     hide_other_vendors: bool = False
     own_device_only: bool = False
-
-    def visible_env(self, worker: LocalWorker, container: Optional[ContainerDevices] = None) -> Dict[str, str]:
-        """The worker's visibility variables, on the host or in ``container``
-        (:func:`kaitian.devices.visible.worker_visibility`)."""
-        return worker_visibility(worker.device, hide_other_vendors=self.hide_other_vendors,
-                                 own_device_only=self.own_device_only, container=container)
 
 
 def parse_cpu_quota(raw: Optional[str]) -> Optional[List[float]]:

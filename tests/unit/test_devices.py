@@ -22,7 +22,7 @@ from kaitian.devices.vendors import utilisation, vendor  # noqa: E402
 from kaitian.devices.vendors import cambricon, nvidia  # noqa: E402
 from kaitian.devices.visible import torch_ordinal  # noqa: E402
 from kaitian.errors import DeviceSelectionError  # noqa: E402
-from kaitian.launcher.plan import NodePlan, plan_node  # noqa: E402
+from kaitian.launcher.plan import plan_node  # noqa: E402
 from kaitian.settings import Settings  # noqa: E402
 
 # (name, memory.total bytes, bus id as NVML prints it, max PCIe gen, width, uuid)
@@ -341,6 +341,7 @@ def test_planned_container_and_exec_give_the_worker_its_gpu():
     from kaitian.launcher.plan import LocalWorker
     from kaitian.launcher.runtimes.docker.labels import AgentIdentity
     from kaitian.launcher.runtimes.docker.options import DockerOptions
+    from kaitian.devices.visible import worker_visibility
     from kaitian.launcher.runtimes.docker.specs import container_spec, exec_spec
 
     gpus = [WorkerDevice("cuda", 1, uuid=H100_SXM[1][5]), WorkerDevice("cuda", 3, uuid=H100_SXM[3][5])]
@@ -349,9 +350,9 @@ def test_planned_container_and_exec_give_the_worker_its_gpu():
                                run_dir="/run/k", cwd="/work", log_dirs=(), options=DockerOptions(),
                                agent=AgentIdentity("h", 1, "0"))
     assert container.create_kwargs()["device_requests"][0]["device_ids"] == [H100_SXM[1][5], H100_SXM[3][5]]
-    # the agent's env for worker 1, and what the runtime shows it of the container
+    # the agent's env for worker 1, with what it sees of the container (kaitian.launcher.environment's last layer)
     env = {"CUDA_VISIBLE_DEVICES": "1,2,3", **Settings.for_device(gpus[1]).to_env(),
-           **NodePlan(tuple(workers)).visible_env(workers[1], container.devices)}
+           **worker_visibility(gpus[1], container=container.devices)}
     ex = exec_spec(worker=workers[1], container=container, entrypoint="python3", args=["t.py"], env=env,
                    cwd="/work", pid_file="/run/k/1.pid")
     assert ex.env["CUDA_VISIBLE_DEVICES"] == f"{H100_SXM[1][5]},{H100_SXM[3][5]}"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from kaitian.devices.device import WorkerDevice
-from kaitian.devices.visible import torch_ordinal
+from kaitian.devices.visible import torch_ordinal, worker_visibility
 from kaitian.errors import DeviceSelectionError
 from kaitian.settings import Settings
-from kaitian.launcher.plan import LocalWorker, NodePlan
+from kaitian.launcher.plan import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import AgentIdentity
 from kaitian.launcher.runtimes.docker.options import DockerOptions
 from kaitian.launcher.runtimes.docker.specs import container_spec, exec_spec
@@ -36,9 +36,8 @@ def _container(indices, kind="cuda", uuids=None, nodes=()):
 def _env(container, worker, agent_env=None, **plan):
     """The worker's environment in the container, as the docker runtime builds it: the agent's
     (which names its physical device) under what the plan shows it of the container's devices."""
-    plan = NodePlan((worker,), **plan)
     env = {**Settings.for_device(worker.device).to_env(), **(agent_env or {}),
-           **plan.visible_env(worker, container.devices)}
+           **worker_visibility(worker.device, container=container.devices, **plan)}
     return exec_spec(worker=worker, container=container, entrypoint="python", args=(), env=env, cwd="/w",
                      pid_file="/p").env
 

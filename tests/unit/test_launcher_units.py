@@ -355,7 +355,7 @@ def test_a_signal_while_local_workers_are_pinned_stops_them(tmp_path, monkeypatc
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from kaitian.launcher.plan import LocalWorker, NodePlan
+    from kaitian.launcher.plan import LocalWorker
     from kaitian.launcher.runtimes import local
     from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 
@@ -367,7 +367,7 @@ def test_a_signal_while_local_workers_are_pinned_stops_them(tmp_path, monkeypatc
 
     monkeypatch.setattr(local, "pin", pin_then_signal)
     worker = LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))
-    runtime = local.LocalRuntime(RunContext("t", str(tmp_path), None, str(tmp_path), plan=NodePlan((worker,))))
+    runtime = local.LocalRuntime(RunContext("t", str(tmp_path), None, str(tmp_path)))
     with pytest.raises(SignalException):
         runtime.start(WorkerStart(
             name="sleeper", entrypoint="sleep", args={0: ("600",)}, envs={0: {}},

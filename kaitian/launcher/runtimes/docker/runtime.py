@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 from kaitian._torch import LogsSpecs, PContext
+from kaitian.devices.device import ContainerDevices
 from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.plan import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
@@ -50,7 +51,7 @@ from kaitian.launcher.runtimes.docker.labels import (
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
 from kaitian.launcher.runtimes.docker.paths import inside
 from kaitian.launcher.runtimes.docker.specs import (
-    ContainerSpec, ExecSpec, choose_user, container_spec, exec_spec, image_for,
+    ContainerSpec, ExecSpec, choose_user, container_spec, exec_spec, group_devices, image_for,
 )
 from kaitian.settings import Settings
 
@@ -166,6 +167,14 @@ class DockerRuntime(Runtime):
             pc.close()
             raise
         return pc
+
+    def devices_seen(self, workers: Dict[int, LocalWorker]) -> Dict[int, ContainerDevices]:
+        """Each worker sees its group's container's devices."""
+        groups: Dict[str, List[LocalWorker]] = {}
+        for key in sorted(workers):
+            groups.setdefault(workers[key].device.group, []).append(workers[key])
+        devices = {group: group_devices(group, members)[1] for group, members in groups.items()}
+        return {key: devices[w.device.group] for key, w in workers.items()}
 
     def exit_codes(self, pcontext: PContext) -> Dict[int, Optional[int]]:
         return pcontext.exit_codes()
@@ -326,7 +335,7 @@ class DockerRuntime(Runtime):
                 group=group,
                 workers=members,
                 image=ref,
-                cpu_quota=self.ctx.plan.cpu_quotas.get(group),
+                cpu_quota=self.ctx.cpu_quotas.get(group),
                 run_id=self.ctx.run_id,
                 run_dir=state_dir,
                 cwd=cwd,
@@ -355,8 +364,8 @@ class DockerRuntime(Runtime):
                 entrypoint=entrypoint,
                 args=pc.args[rank],
                 # Like torch's local subprocesses, workers inherit the agent's
-                # environment under the variables the agent set, and see the container's devices.
-                env={**os.environ, **pc.envs[rank], **self.ctx.plan.visible_env(w, container.devices)},
+                # environment under the variables the agent set.
+                env={**os.environ, **pc.envs[rank]},
                 cwd=cwd,
                 pid_file=os.path.join(pid_dir, f"{w.local_rank}.pid"),  # a worker restarted alone is key 0
                 stdout=pc.stdouts[rank],

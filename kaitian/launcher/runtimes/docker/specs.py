@@ -225,6 +225,21 @@ def image_for(group: str, vendor: str, images: Mapping[str, str]) -> str:
         ) from None
 
 
+def group_devices(group: str, workers: Sequence[LocalWorker],
+                  device_nodes: Optional[Iterable[str]] = None) -> Tuple[str, ContainerDevices]:
+    """The vendor of a group's container and the devices it holds (what its workers see).
+
+    Raises:
+        DockerOptionError: the group mixes device types.
+        DeviceSelectionError: a device the container needs is missing on this host.
+    """
+    vendors = {w.device.type for w in workers}
+    if len(vendors) != 1:
+        raise DockerOptionError(f"group {group!r} mixes device types {sorted(vendors)}; one vendor per group")
+    vendor = vendors.pop()
+    return vendor, vendor_entry(vendor).container_devices([w.device for w in workers], device_nodes)
+
+
 def _sanitize(text: str) -> str:
     return _NAME_UNSAFE.sub("-", text).strip("-.") or "x"
 
@@ -278,11 +293,7 @@ def container_spec(
         DockerOptionError: the group mixes device types, or a directory to mount is ``/``.
         DeviceSelectionError: a device the container needs is missing on this host.
     """
-    vendors = {w.device.type for w in workers}
-    if len(vendors) != 1:
-        raise DockerOptionError(f"group {group!r} mixes device types {sorted(vendors)}; one vendor per group")
-    vendor = vendors.pop()
-    devices = vendor_entry(vendor).container_devices([w.device for w in workers], device_nodes)
+    vendor, devices = group_devices(group, workers, device_nodes)
 
     all_cpus = [c for w in workers for c in w.cpus]
     # Pin the container only when every worker is pinned; otherwise leave it free.
