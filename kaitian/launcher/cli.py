@@ -14,6 +14,7 @@ import importlib.machinery
 import logging
 import os
 import shutil
+import socket
 import sys
 import uuid
 from typing import Dict, List, NoReturn, Optional
@@ -24,7 +25,7 @@ from kaitian.launcher.request import LaunchRequest
 from kaitian.launcher.logs import build_logs_specs
 from kaitian.launcher.plan import parse_cpu_quota, plan_node
 from kaitian.launcher.rundir import RunDir, collect_stale
-from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, options_from_args, runtime_class
+from kaitian.launcher.runtimes import RUNTIMES, RunContext, WorkerStart, get_runtime, options_from_args, runtime_class
 from kaitian.launcher.runtimes.cpu_limits import quota_mode
 from kaitian.errors import KaitianError, UsageError
 from kaitian.settings import settings
@@ -130,6 +131,10 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
         "--container-user", "--container_user", action=_te.env, default=None, metavar="root|UID[:GID]",
         help="docker: user the workers run as (default: a non-root user: yours, or for a root "
         "agent the owner of the working directory)",
+    )
+    k.add_argument(
+        "--dry-run", "--dry_run", action=_te.check_env,
+        help="docker: print the containers and execs this node's first start would make, and start nothing",
     )
     k.add_argument(
         "--monitor", action=_te.env, nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
@@ -321,6 +326,10 @@ def run(args: argparse.Namespace) -> int:
             on_failure=args.on_failure,
             min_nodes=config.min_nodes,
         )
+        if args.dry_run:
+            print(_dry_run(kaitian, config, cmd, cmd_args))
+            succeeded = True
+            return 0
         try:
             _launch(config, cmd, cmd_args, kaitian)
             succeeded = True
@@ -335,6 +344,40 @@ def run(args: argparse.Namespace) -> int:
         if kept:  # last, where a reader looks first
             print(f"{_PROG}: the workers' logs are kept in {kept}", file=sys.stderr, flush=True)
     return 0 if failure is None else 1
+
+
+def _dry_run(request: LaunchRequest, config, cmd, cmd_args) -> str:
+    """``--dry-run``: the docker plan of this node's first start, as YAML.
+
+    Ranks and torch's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` …)
+    come from the rendezvous at the start; the plan shows every worker with
+    local ranks and the variables kaitian sets, the job key hidden.
+
+    Raises:
+        UsageError: a runtime other than docker.
+    """
+    runtime = request.runtime
+    if not hasattr(runtime, "docker_start"):
+        raise UsageError(f"--dry-run prints the docker start; --runtime {runtime.name} has none to print")
+    from kaitian.launcher.attempt import Attempt
+    from kaitian.launcher.environment import worker_environment
+    from kaitian.launcher.runtimes.docker.start import LogFiles
+
+    workers = {w.local_rank: w for w in request.plan.workers}
+    attempt = Attempt(
+        number=1, placement=None, workers_store=("", 0), agent_store=False, serves_store=True,
+        job_key="(made at the start)", elastic_run="1", start_dir=os.path.join(request.run_dir.path, "start0"),
+        torchrun={lr: (tuple(cmd_args), {}) for lr in workers},
+    )
+    seen = runtime.devices_seen(workers)
+    node = f"{socket.gethostname()}:{os.getpid()}"  # as the agent names its workers
+    envs = {lr: worker_environment(w, attempt, request, f"{node}/{lr}/0", container=seen.get(lr))
+            for lr, w in workers.items()}
+    job = WorkerStart(name=config.role, entrypoint=cmd, args={lr: tuple(cmd_args) for lr in workers}, envs=envs,
+                      logs_specs=config.logs_specs, workers=workers)
+    root = getattr(config.logs_specs, "root_log_dir", None)
+    return ("# kaitianrun --dry-run: torch's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are added at the start\n"
+            + runtime.docker_start(job, LogFiles(root)).to_text(inherited=os.environ))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

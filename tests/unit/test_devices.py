@@ -342,7 +342,7 @@ def test_planned_container_and_exec_give_the_worker_its_gpu():
     from kaitian.launcher.runtimes.docker.labels import AgentIdentity
     from kaitian.launcher.runtimes.docker.options import DockerOptions
     from kaitian.devices.visible import worker_visibility
-    from kaitian.launcher.runtimes.docker.specs import container_spec, exec_spec
+    from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec
 
     gpus = [WorkerDevice("cuda", 1, uuid=H100_SXM[1][5]), WorkerDevice("cuda", 3, uuid=H100_SXM[3][5])]
     workers = [LocalWorker(i, d) for i, d in enumerate(gpus)]

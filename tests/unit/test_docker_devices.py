@@ -16,7 +16,7 @@ from kaitian.settings import Settings
 from kaitian.launcher.plan import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import AgentIdentity
 from kaitian.launcher.runtimes.docker.options import DockerOptions
-from kaitian.launcher.runtimes.docker.specs import container_spec, exec_spec
+from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec
 
 AGENT = AgentIdentity(host="node0", pid=4242, start="1")
 # An 8-GPU host as NVML numbers it (physical index -> UUID).

@@ -430,7 +430,7 @@ _PET_VALUES = {"nproc_auto": ("1", True), "devices": ("cuda:0,cpu", "cuda:0,cpu"
                "image": ("cuda=a:1,mlu=b:2", ["cuda=a:1", "mlu=b:2"]), "keep_containers": ("1", True),
                "volume": ("/a:/b,/c:/d:ro", ["/a:/b", "/c:/d:ro"]), "shm_size": ("8g", "8g"),
                "container_user": ("1000:1000", "1000:1000"), "monitor": ("/tmp/mon", "/tmp/mon"),
-               "on_failure": ("continue", "continue")}
+               "on_failure": ("continue", "continue"), "dry_run": ("1", True)}
 
 
 def test_every_kaitian_flag_has_a_pet_form(monkeypatch):
