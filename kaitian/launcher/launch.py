@@ -2,10 +2,12 @@
 
 Torch's function hard-codes ``LocalElasticAgent``; this one builds a
 :class:`~kaitian.launcher.agent.KaitianAgent` from torch's config and the
-launch whole, and keeps torch's structure: rendezvous handler from the registry, agent run, ``ChildFailedError``
-for failed workers, ``SignalException`` passed through without closing the
-rendezvous, and ``finally`` shutting down the rendezvous, the runtime and the
-monitor.
+launch request, and otherwise keeps torch's steps: rendezvous handler from the
+registry, agent run, ``ChildFailedError`` for failed workers, ``SignalException``
+passed through without closing the rendezvous, and ``finally`` shutting down
+the rendezvous, the runtime and the monitor. Every difference from torch's is
+listed in ``kaitian._torch.LAUNCH_AGENT_DIFFERENCES``; a unit test fails, on
+every torch CI runs, when torch's takes something the list does not account for.
 """
 
 from __future__ import annotations

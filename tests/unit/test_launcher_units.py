@@ -470,3 +470,17 @@ def test_docker_worker_pids_are_host_pids_or_unknown():
     context._execs = {0: SimpleNamespace(host_pid=None, container_pid=lambda wait=0: 7),
                       1: SimpleNamespace(host_pid=31337, container_pid=lambda wait=0: 8)}
     assert context.pids() == {0: -1, 1: 31337}
+
+
+def test_kaitians_launch_agent_accounts_for_everything_torchs_takes(monkeypatch):
+    """kaitian's launch_agent is torch's but for the differences listed in kaitian/_torch.py;
+    a torch whose launch_agent takes more (a parameter, a LaunchConfig field) fails here."""
+    from dataclasses import make_dataclass
+
+    from torch.distributed.launcher import api
+
+    assert te.launch_agent_drift() == []
+    assert te.LAUNCH_AGENT_DIFFERENCES
+    monkeypatch.setattr(api, "launch_agent", lambda config, entrypoint, args, tracer=None: None)
+    monkeypatch.setattr(api, "LaunchConfig", make_dataclass("LaunchConfig", ["min_nodes", "topology"]))
+    assert te.launch_agent_drift() == ["launch_agent(tracer=...)", "LaunchConfig.topology"]
