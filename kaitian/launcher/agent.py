@@ -47,7 +47,7 @@ class KaitianAgent(_te.LocalElasticAgent):
     """Starts, monitors and restarts this node's workers through a runtime.
 
     Args:
-        spec: torchelastic's worker spec (``local_world_size``: the plan's workers).
+        spec: torchelastic's worker spec (``local_world_size``: this node's workers).
         config: torchrun's launch config (logs specs, start method, line prefix
             template, shutdown timeout, ``--nnodes`` MIN).
         launch: what kaitian adds (:class:`~kaitian.launcher.request.LaunchRequest`).
@@ -56,8 +56,8 @@ class KaitianAgent(_te.LocalElasticAgent):
 
     def __init__(self, spec: "_te.WorkerSpec", config: "_te.LaunchConfig", launch: LaunchRequest,
                  monitor: Any = None) -> None:
-        if spec.local_world_size != len(launch.plan.workers):
-            raise ValueError(f"local_world_size {spec.local_world_size} != {len(launch.plan.workers)} planned workers")
+        if spec.local_world_size != len(launch.node.workers):
+            raise ValueError(f"local_world_size {spec.local_world_size} != this node's {len(launch.node.workers)} workers")
         shutdown_timeout = _te.launch_option(config, "shutdown_timeout")  # torch 2.12+
         _te.call_supported(
             super().__init__, spec, logs_specs=config.logs_specs, start_method=config.start_method,
@@ -65,10 +65,11 @@ class KaitianAgent(_te.LocalElasticAgent):
         )
         self._shutdown_timeout = 30 if shutdown_timeout is None else shutdown_timeout
         self._launch = launch
-        self._plan = launch.plan
+        self._node_workers = launch.node
         self._runtime = launch.runtime
         self._monitor = monitor
-        self._round: Tuple[Optional[NodePlacement], Optional[Dict[str, Any]]] = (None, None)  # the last round's placement, and the live job a new node joins
+        # The last rendezvous round's placement, and the live job a new node joins (continue mode).
+        self._round: Tuple[Optional[NodePlacement], Optional[Dict[str, Any]]] = (None, None)
         self._attempt: Optional[Attempt] = None  # the current start
         self._served_store = None  # the store node 0 serves to its workers after a restart
         self._node = f"{socket.gethostname()}:{os.getpid()}"  # names this agent's workers in continue mode
@@ -92,7 +93,7 @@ class KaitianAgent(_te.LocalElasticAgent):
             publish_live_job(store, live)
         placement = agree_on_placement(
             store, group_rank, group_world_size,
-            local_inventory(spec.role, [w.device for w in self._plan.workers]),
+            local_inventory(spec.role, [w.device for w in self._node_workers.workers]),
             serve_worker_store=lambda: self._serve_worker_store(spec, store),
         )
         self._round = (placement, read_live_job(store) if live is None and self._launch.continues else None)
@@ -224,22 +225,22 @@ class KaitianAgent(_te.LocalElasticAgent):
         """
         spec = self._worker_group.spec
         attempt = self._attempt
-        started = {key: self._plan.workers[worker.local_rank] for key, worker in enumerate(workers)}
+        started = {key: self._node_workers.workers[worker.local_rank] for key, worker in enumerate(workers)}
         seen = self._runtime.devices_seen(started)
         args: Dict[int, tuple] = {}
         envs: Dict[int, Dict[str, str]] = {}
         prefix_fields: Dict[int, Dict[str, object]] = {}
         for key, worker in enumerate(workers):
-            planned = started[key]
+            mine = started[key]
             args[key] = attempt.torchrun[worker.local_rank][0]
-            envs[key] = worker_environment(planned, attempt, self._launch, members[worker.local_rank],
+            envs[key] = worker_environment(mine, attempt, self._launch, members[worker.local_rank],
                                            restart_count=restart_count, container=seen.get(key))
             prefix_fields[key] = {
                 "rank": worker.global_rank,
                 "local_rank": worker.local_rank,
                 "role_name": spec.role,
-                "group": planned.device.group,
-                "vendor": planned.device.type,
+                "group": mine.device.group,
+                "vendor": mine.device.type,
             }
         alone = restart_count is not None  # logged at its local rank
         return WorkerStart(
@@ -265,7 +266,8 @@ class KaitianAgent(_te.LocalElasticAgent):
         if self._monitor is not None:
             try:
                 self._monitor.watch(
-                    pids, {w.global_rank: self._plan.workers[w.local_rank].device.key for w in worker_group.workers},
+                    pids, {w.global_rank: self._node_workers.workers[w.local_rank].device.key
+                           for w in worker_group.workers},
                 )
             except Exception:  # the monitor must never take the job down
                 logger.warning("monitor.watch failed", exc_info=True)
@@ -286,7 +288,7 @@ class KaitianAgent(_te.LocalElasticAgent):
         def can_restart(worker: WorkerProcess) -> bool:
             if self._remaining_restarts <= 0:
                 return False
-            return device_present(self._plan.workers[worker.local_rank].device)
+            return device_present(self._node_workers.workers[worker.local_rank].device)
 
         record = job_record(self._attempt.workers_store, self._attempt.elastic_run)
         continuation = Continuation(record, self._runtime, restart, can_restart)

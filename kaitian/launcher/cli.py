@@ -23,7 +23,7 @@ from kaitian import _torch as _te
 from kaitian.launcher.launch import launch_agent
 from kaitian.launcher.request import LaunchRequest
 from kaitian.launcher.logs import build_logs_specs
-from kaitian.launcher.plan import parse_cpu_quota, plan_node
+from kaitian.launcher.workers import parse_cpu_quota, node_workers
 from kaitian.launcher.rundir import RunDir, collect_stale
 from kaitian.launcher.runtimes import RUNTIMES, RunContext, WorkerStart, get_runtime, options_from_args, runtime_class
 from kaitian.launcher.runtimes.cpu_limits import quota_mode
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         0, or 1 when the workers failed (torchrun's root-cause summary printed).
 
     Raises:
-        UsageError, DeviceSelectionError, PlanError: bad input (nothing was started).
+        UsageError, DeviceSelectionError, NodeWorkersError: bad input (nothing was started).
         SignalException: as torchrun.
     """
     _check_script(args)
@@ -252,18 +252,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend}: unknown; registered: {', '.join(known)}")
     omp_from_user = "OMP_NUM_THREADS" in os.environ
     cpu_quota = parse_cpu_quota(args.cpu_quota)
-    plan_kwargs = dict(
+    node_kwargs = dict(
         devices_flag=args.devices,
         cpu_slots=args.cpu_slots,
         cpu_groups=args.cpu_groups,
         cpu_quota=cpu_quota,
         own_device_only=bool(getattr(args, "virtual_local_rank", False)),  # torch 2.10+
     )
-    plan = None
+    node = None
     if args.nproc_auto:
-        plan = plan_node(nproc_auto=True, nproc_per_node=None, **plan_kwargs)
-        args.nproc_per_node = str(len(plan.workers))
-        if not omp_from_user and len(plan.workers) > 1:
+        node = node_workers(nproc_auto=True, nproc_per_node=None, **node_kwargs)
+        args.nproc_per_node = str(len(node.workers))
+        if not omp_from_user and len(node.workers) > 1:
             # torchrun's default (1) without its warning: CPU slots get their core count anyway.
             os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -276,10 +276,10 @@ def run(args: argparse.Namespace) -> int:
         config, cmd, cmd_args = _te.config_from_args(torch_args)
     except (AssertionError, RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if plan is None:
-        plan = plan_node(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
+    if node is None:
+        node = node_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **node_kwargs)
 
-    if args.runtime == "local" and plan.cpu_quotas:
+    if args.runtime == "local" and node.cpu_quotas:
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
     runtime_options = options_from_args(args, config)  # every runtime flag checked before anything starts
     collect_stale()
@@ -312,11 +312,11 @@ def run(args: argparse.Namespace) -> int:
                 log_dir=args.log_dir,
                 cwd=os.getcwd(),
                 options=runtime_options,
-                cpu_quotas=plan.cpu_quotas,
+                cpu_quotas=node.cpu_quotas,
             ),
         )
         kaitian = LaunchRequest(
-            plan=plan,
+            node=node,
             run_dir=run_dir,
             runtime=runtime,
             capabilities=_capabilities(),
@@ -347,10 +347,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dry_run(request: LaunchRequest, config, cmd, cmd_args) -> str:
-    """``--dry-run``: the docker plan of this node's first start, as YAML.
+    """``--dry-run``: this node's first docker start (a ``DockerStart``), as YAML.
 
     Ranks and torch's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` …)
-    come from the rendezvous at the start; the plan shows every worker with
+    come from the rendezvous at the start; it shows every worker with
     local ranks and the variables kaitian sets, the job key hidden.
 
     Raises:
@@ -363,7 +363,7 @@ def _dry_run(request: LaunchRequest, config, cmd, cmd_args) -> str:
     from kaitian.launcher.environment import worker_environment
     from kaitian.launcher.runtimes.docker.start import LogFiles
 
-    workers = {w.local_rank: w for w in request.plan.workers}
+    workers = {w.local_rank: w for w in request.node.workers}
     attempt = Attempt(
         number=1, placement=None, workers_store=("", 0), agent_store=False, serves_store=True,
         job_key="(made at the start)", elastic_run="1", start_dir=os.path.join(request.run_dir.path, "start0"),

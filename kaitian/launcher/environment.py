@@ -3,7 +3,7 @@
 torch's variables for the worker (what torchrun would set), kaitian's
 ``KAITIAN_*`` settings, and what the worker sees of the devices, from this
 start's :class:`~kaitian.launcher.attempt.Attempt` and the worker's
-:class:`~kaitian.launcher.plan.LocalWorker`. A runtime receives the result
+:class:`~kaitian.launcher.workers.LocalWorker`. A runtime receives the result
 complete and decides only where the process runs (it starts it, as torch does
 a local subprocess, under the agent's own environment).
 """
@@ -15,7 +15,7 @@ from typing import Dict, Optional
 from kaitian.devices.device import ContainerDevices
 from kaitian.devices.visible import worker_visibility
 from kaitian.launcher.attempt import Attempt
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.request import LaunchRequest
 from kaitian.settings import Settings
 from kaitian.version import versions
@@ -35,7 +35,7 @@ def worker_environment(
     """The variables the agent sets for one worker of ``attempt``.
 
     Args:
-        worker: the worker's record in the node's plan.
+        worker: the worker's record (:class:`~kaitian.launcher.workers.NodeWorkers`).
         attempt: this start.
         request: the launch (capabilities, ``--monitor``, continue mode, what
             workers may see of other devices).
@@ -63,7 +63,7 @@ def worker_environment(
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # an agent serves it: rank 0 must not
     if restart_count is not None:
         env["TORCHELASTIC_RESTART_COUNT"] = str(restart_count)
-    plan = request.plan
-    env.update(worker_visibility(worker.device, hide_other_vendors=plan.hide_other_vendors,
-                                 own_device_only=plan.own_device_only, container=container))
+    node = request.node
+    env.update(worker_visibility(worker.device, hide_other_vendors=node.hide_other_vendors,
+                                 own_device_only=node.own_device_only, container=container))
     return env

@@ -104,7 +104,7 @@ def launch_agent(
     shutdown_rdzv = True
     try:
         if kaitian.monitor_dir:
-            monitor = _make_monitor(kaitian.monitor_dir, dict(kaitian.plan.cpu_quotas))
+            monitor = _make_monitor(kaitian.monitor_dir, dict(kaitian.node.cpu_quotas))
             if monitor is not None:
                 monitor.start()
         agent = KaitianAgent(spec, config, kaitian, monitor)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from kaitian.launcher.plan import NodePlan
+from kaitian.launcher.workers import NodeWorkers
 from kaitian.launcher.rundir import RunDir
 from kaitian.launcher.runtimes import Runtime
 
@@ -22,7 +22,7 @@ class LaunchRequest:
     """What kaitian adds to torch's ``LaunchConfig``.
 
     Attributes:
-        plan: this node's plan.
+        node: this node's workers.
         run_dir: this agent's run directory.
         runtime: the runtime that starts the workers (shut down at the end).
         capabilities: device key -> samples/s.
@@ -34,7 +34,7 @@ class LaunchRequest:
         min_nodes: ``--nnodes`` MIN (continue mode: the fewest nodes the job goes on with).
     """
 
-    plan: NodePlan
+    node: NodeWorkers
     run_dir: RunDir
     runtime: Runtime
     capabilities: Dict[str, float] = field(default_factory=dict)

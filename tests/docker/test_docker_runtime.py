@@ -24,7 +24,7 @@ from support import REPO, TESTS, worker
 from support.docker import TEST_IMAGE, WORKER_UID, engine, inspect, kaitian_containers, own, test_image
 from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotFoundError
 from kaitian.devices.device import WorkerDevice
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 from kaitian.launcher.runtimes.docker.client import connect
 from kaitian.launcher.runtimes.docker.runtime import DockerRuntime

@@ -14,7 +14,7 @@ import pytest
 
 from kaitian.errors import DockerOptionError
 from kaitian.devices.device import WorkerDevice
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_PID,
     LABEL_GROUP,

@@ -8,7 +8,7 @@ import dataclasses
 import os
 
 from kaitian.devices.device import ContainerDevices, WorkerDevice
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import LABEL_SPEC, AgentIdentity
 from kaitian.launcher.runtimes.docker.options import DockerOptions, Mount
 from kaitian.launcher.runtimes.docker.start import (

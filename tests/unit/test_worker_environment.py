@@ -9,7 +9,7 @@ import pytest
 from kaitian.devices.device import ContainerDevices, WorkerDevice
 from kaitian.launcher.attempt import Attempt
 from kaitian.launcher.environment import worker_environment
-from kaitian.launcher.plan import LocalWorker, NodePlan
+from kaitian.launcher.workers import LocalWorker, NodeWorkers
 from kaitian.launcher.request import LaunchRequest
 from kaitian.version import versions
 
@@ -29,7 +29,7 @@ def _attempt(**fields):
 
 
 def _request(**fields):
-    base = dict(plan=NodePlan((CPU, GPU), hide_other_vendors=True), run_dir=None, runtime=None,
+    base = dict(node=NodeWorkers((CPU, GPU), hide_other_vendors=True), run_dir=None, runtime=None,
                 capabilities={"cuda:3": 4.0})
     return LaunchRequest(**{**base, **fields})
 
@@ -75,7 +75,7 @@ CASES = {
         "TORCHELASTIC_RESTART_COUNT": "2",
     }),
     # --virtual-local-rank on the host: its own GPU only
-    "own device": (GPU, _attempt(), _request(plan=NodePlan((CPU, GPU), own_device_only=True)), {}, None, {
+    "own device": (GPU, _attempt(), _request(node=NodeWorkers((CPU, GPU), own_device_only=True)), {}, None, {
         **TORCH, **_kaitian(GPU.device, KAITIAN_CAPABILITY="4.0"), "CUDA_VISIBLE_DEVICES": "GPU-3",
     }),
 }

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from kaitian._torch import LogsSpecs, PContext
 from kaitian.devices.device import ContainerDevices
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = ["WorkerStart", "RunContext", "Runtime"]
@@ -37,7 +37,7 @@ class WorkerStart:
         args: worker arguments.
         envs: worker environments.
         logs_specs: where stdout / stderr / error files go.
-        workers: the node plan's worker each process is.
+        workers: the node's worker each process is.
         log_line_prefixes: console prefixes.
         start_method: torch's multiprocessing start method (functions only).
     """
@@ -62,7 +62,7 @@ class RunContext:
         log_dir: torchrun's ``--log-dir`` base, or ``None``.
         cwd: the user's working directory.
         options: the runtime options, checked once from the command line.
-        cpu_quotas: group -> the CPU time its workers share, in cores (the node plan's).
+        cpu_quotas: group -> the CPU time its workers share, in cores (``NodeWorkers.cpu_quotas``).
     """
 
     run_id: str

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 from kaitian import _torch as _te
 from kaitian.launcher.runtimes import die_with_agent
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.cpu_limits import (
     CgroupQuota,

@@ -15,7 +15,9 @@ from kaitian.launcher.runtimes.docker.labels import LABEL_HOST_MOUNTS, LABEL_PYT
 from kaitian.launcher.runtimes.docker.options import Mount, parse_volume
 from kaitian.launcher.runtimes.docker.start import ImageInfo
 
-__all__ = ["connect", "list_containers", "find_one", "remove_container", "is_not_found", "pid_namespace_of", "image_info"]
+__all__ = [
+    "connect", "list_containers", "find_one", "remove_container", "is_not_found", "pid_namespace_of", "image_info",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 from kaitian._torch import PContext
 from kaitian.devices.device import ContainerDevices
 from kaitian.errors import DockerRuntimeError, ImageNotFoundError
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.rundir import record_pid_namespace
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.docker.client import (

@@ -33,7 +33,7 @@ from kaitian.devices.device import ContainerDevices
 from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
 from kaitian.errors import DockerOptionError
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_GROUP, LABEL_KEEP, LABEL_MANAGED, LABEL_RUN_ID,
     LABEL_SPEC, LABEL_VENDOR, AgentIdentity,
