@@ -48,11 +48,6 @@ class Attempt:
     joining: bool = False
     torchrun: Mapping[int, Tuple[tuple, Mapping[str, str]]] = field(default_factory=dict)
 
-    @property
-    def epoch(self) -> int:
-        """The round's exchange number (the same on every node), or the start's number without one."""
-        return self.placement.epoch if self.placement is not None else self.number
-
     def live_job(self, key_given: bool) -> Dict[str, object]:
         """What a node new to this running job needs to join it (continue mode).
 

@@ -58,7 +58,8 @@ def test_docker_start_plans_a_container_per_group_and_an_exec_per_worker():
     envs = {k: {"RANK": str(k), "KAITIAN_RUN_DIR": "/runs/r1/start0", "PATH": "/host/bin"} for k in WORKERS}
     plan = docker_start(WORKERS, "/venv/bin/python", {k: ("-u", "train.py") for k in WORKERS}, envs,
                         LogFiles("/logs", stdouts={0: "/logs/0/stdout.log"}, error_files={2: "/logs/a/2/error.json"}),
-                        _host(hands_over=True), DockerOptions())
+                        _host(hands_over=True, agent_env={"SHARED": "a", "RANK": "x", "LD_PRELOAD": "/h.so"}),
+                        DockerOptions())
     assert [c.group for c in plan.containers] == ["cpu0", "cpu1"]
     cpu0, cpu1 = plan.containers
     assert cpu0.cpuset == "0-1" and cpu0.cpu_shares == 2048 and cpu0.cpu_quota is None
@@ -68,6 +69,7 @@ def test_docker_start_plans_a_container_per_group_and_an_exec_per_worker():
     assert ex.group == "cpu0" and ex.user == "1000:1000" and ex.workdir == "/home/u/proj"
     assert ex.cmd[3:] == ("/runs/r1/docker-pids/1.pid", "1", "", "", "/opt/py/bin/python", "-u", "train.py")
     assert ex.env["RANK"] == "1" and "PATH" not in ex.env and ex.env["HOME"] == "/tmp"
+    assert ex.env["SHARED"] == "a" and "LD_PRELOAD" not in ex.env  # the agent's, beneath; not the host's software
     assert plan.execs[0].stdout == "/logs/0/stdout.log"  # written by the worker: the mount shows it
     # a root agent hands the workers' directories to them; never the --log-dir itself
     assert plan.hand_over == ("/logs/a", "/logs/a/2", "/runs/r1", "/runs/r1/docker-pids", "/runs/r1/start0")

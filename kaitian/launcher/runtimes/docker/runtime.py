@@ -227,6 +227,7 @@ class DockerRuntime(Runtime):
             images={ref: self._image(ref) for ref in sorted(refs)}, cgroup_parent=self._cgroup_parent(),
             cpu_quotas=self.ctx.cpu_quotas,
             host_python=tuple(sorted({python, os.path.abspath(python), os.path.realpath(python)})),
+            agent_env=dict(os.environ),
         )
 
     def _carry_out(self, plan: DockerStart) -> Dict[int, Tuple[ExecSpec, str]]:

@@ -43,8 +43,9 @@ from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER
 from kaitian.settings import Settings
 
 __all__ = [
-    "ContainerSpec", "ExecSpec", "DockerHost", "DockerStart", "ImageInfo", "docker_start", "container_spec",
-    "exec_spec", "choose_user", "image_for", "group_devices", "as_binary", "inside", "outermost",
+    "ContainerSpec", "ExecSpec", "DockerHost", "DockerStart", "ImageInfo", "LogFiles", "docker_start",
+    "container_spec", "exec_spec", "container_env", "choose_user", "image_for", "group_devices", "groups_of",
+    "as_binary", "inside", "outermost",
 ]
 
 # Capabilities root keeps when asked for (--container-user root): writing into
@@ -263,6 +264,8 @@ class DockerHost:
         cpu_quotas: group -> its CPU time in cores.
         host_python: the host interpreter's paths (an entrypoint equal to one becomes the image's python).
         device_nodes: device nodes present on this host (``None``: look in ``/dev``).
+        agent_env: the agent's environment, which workers inherit beneath their own (as
+            torch's local subprocesses do), the host's software variables left out.
     """
 
     run_id: str
@@ -277,6 +280,7 @@ class DockerHost:
     cpu_quotas: Mapping[str, float] = field(default_factory=dict)
     host_python: Tuple[str, ...] = ()
     device_nodes: Optional[Tuple[str, ...]] = None
+    agent_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def pid_dir(self) -> str:
@@ -540,8 +544,7 @@ def docker_start(
         workers: the start's key -> the worker.
         entrypoint: the workers' program (or torchrun's ``--run-path`` function).
         args: their arguments by key.
-        envs: their complete environments by key (the agent's own is added beneath, as
-            torch's local subprocesses inherit it).
+        envs: their complete environments by key (``host.agent_env`` goes beneath).
         logs: where torch decided their logs and error files go.
         host: what the runtime read from the host and the engine.
         options: the docker options.
@@ -577,7 +580,7 @@ def docker_start(
     execs = {
         key: exec_spec(
             worker=w, container=containers[w.device.group], entrypoint=program, args=args[key],
-            env={**os.environ, **envs[key]}, cwd=cwd,
+            env={**host.agent_env, **envs[key]}, cwd=cwd,
             pid_file=os.path.join(host.pid_dir, f"{w.local_rank}.pid"),  # a worker restarted alone is key 0
             stdout=logs.stdouts.get(key, ""), stderr=logs.stderrs.get(key, ""), host_python=host.host_python,
             image_python=host.images.get(containers[w.device.group].image, ImageInfo()).python,
