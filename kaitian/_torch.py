@@ -13,6 +13,7 @@ Every torchelastic name is resolved on first use (see ``_LATE``).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from typing import Iterator
 
@@ -87,7 +88,6 @@ def __getattr__(name: str):
         module_name, attr = _LATE[name]
     except KeyError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    import importlib
 
     module = importlib.import_module(module_name)
     value = module if attr is None else getattr(module, attr)
@@ -124,6 +124,50 @@ def call_supported(fn, *args, **kwargs):
 
                 raise UsageError(f"{name} needs a newer torch than {torch.__version__} (its torchelastic has no such option)")
     return fn(*args, **kwargs)
+
+
+# --- kaitian's launch_agent against torch's -----------------------------------
+# kaitian/launcher/launch.py::launch_agent is torch.distributed.launcher.api.launch_agent
+# (same steps: run id, rendezvous parameters, static master address, worker spec, metrics,
+# agent.run, ChildFailedError, a signalled agent leaves the rendezvous open, finally the
+# rendezvous shut down) but for these differences. torch's cannot be called: it builds
+# LocalElasticAgent itself.
+LAUNCH_AGENT_DIFFERENCES = (
+    "the agent is KaitianAgent(spec, config, request, monitor), not LocalElasticAgent",
+    "the rendezvous handler is wrapped in KaitianRendezvousHandler, which leaves ranks to the agent",
+    "WorkerSpec and the agent get only the arguments this torch takes (call_supported)",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE is set only by a torch whose LaunchConfig has signals_to_handle",
+    "no health_check_server argument and no early health-check server (torch 2.13+: an internal knob)",
+    "torch's 'Starting elastic_operator' log of the config is not repeated",
+    "a rendezvous closed gracefully (agent.run() -> None) returns {}",
+    "finally: the runtime and the --monitor are shut down after the rendezvous",
+)
+# torch's launch_agent parameters and LaunchConfig fields (2.4 to 2.15: each release has a
+# subset) that kaitian's launch_agent passes on or leaves out as listed above.
+LAUNCH_AGENT_PARAMETERS = ("config", "entrypoint", "args", "health_check_server")
+LAUNCH_CONFIG_FIELDS = frozenset({
+    "min_nodes", "max_nodes", "nproc_per_node", "logs_specs", "run_id", "role", "rdzv_endpoint", "rdzv_backend",
+    "rdzv_configs", "rdzv_timeout", "max_restarts", "monitor_interval", "start_method", "log_line_prefix_template",
+    "metrics_cfg", "local_addr", "event_log_handler", "numa_options", "signals_to_handle",
+    "duplicate_stdout_filters", "duplicate_stderr_filters", "virtual_local_rank", "shutdown_timeout",
+})
+
+
+def launch_agent_drift() -> list:
+    """What this torch's ``launch_agent`` takes that kaitian's does not account for:
+    a new parameter or a new ``LaunchConfig`` field (empty: none).
+
+    A test fails on it for every torch CI runs, so a release that changes torch's
+    launch is read before kaitian's drifts from it (as it once did: the
+    health-check server argument).
+    """
+    import dataclasses
+    import inspect
+
+    api = importlib.import_module("torch.distributed.launcher.api")
+    params = [p for p in inspect.signature(api.launch_agent).parameters if p not in LAUNCH_AGENT_PARAMETERS]
+    fields = sorted({f.name for f in dataclasses.fields(api.LaunchConfig)} - LAUNCH_CONFIG_FIELDS)
+    return [f"launch_agent({p}=...)" for p in params] + [f"LaunchConfig.{f}" for f in fields]
 
 
 def _method_name(depth: int = 2) -> str:
@@ -303,6 +347,8 @@ __all__ = [
     "call_supported",
     "close_local_agent",
     "launch_option",
+    "launch_agent_drift",
+    "LAUNCH_AGENT_DIFFERENCES",
     "nccl_connect_now",
     "vendor_options",
     "queue_autograd_callback",

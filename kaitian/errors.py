@@ -17,7 +17,7 @@ __all__ = [
     "SettingError",
     "UnknownVendorError",
     "DeviceSelectionError",
-    "PlanError",
+    "NodeWorkersError",
     "UsageError",
     "SplitError",
     "TrainingError",
@@ -64,8 +64,8 @@ class UsageError(KaitianError, ValueError):
     """A kaitianrun command line that torchrun's config builder refuses."""
 
 
-class PlanError(KaitianError, ValueError):
-    """Flags that cannot be turned into a worker plan (``--cpu-groups``, ``--cpu-quota``)."""
+class NodeWorkersError(KaitianError, ValueError):
+    """Flags that cannot be turned into this node's workers (``--cpu-groups``, ``--cpu-quota``)."""
 
 
 class RunDirError(KaitianError, PermissionError):

@@ -3,7 +3,7 @@
 
 1. Discovery without torch: NVML, ``nvidia-smi`` and PCI sysfs must agree on
    every GPU's physical index, UUID and bus id.
-2. Planning: ``plan_node`` for ``USE_CUDA=<last>`` and for a host
+2. Planning: ``node_workers`` for ``USE_CUDA=<last>`` and for a host
    ``CUDA_VISIBLE_DEVICES=<last GPU's UUID>`` carries that GPU's physical index
    and UUID.
 3. Landing: a worker started with the planned ``KAITIAN_DEVICE_*`` variables
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kaitian.devices import inventory  # noqa: E402
 from kaitian.devices.vendors import nvidia  # noqa: E402
-from kaitian.launcher.plan import plan_node  # noqa: E402
+from kaitian.launcher.workers import node_workers  # noqa: E402
 from kaitian.settings import Settings  # noqa: E402
 
 _LAND = r"""
@@ -72,7 +72,7 @@ def main() -> int:
     last = via_nvml[-1]
     for label, extra in (("USE_CUDA", {"USE_CUDA": str(last.index)}),
                          ("CUDA_VISIBLE_DEVICES=uuid", {"CUDA_VISIBLE_DEVICES": last.uuid or ""})):
-        workers = plan_node(nproc_auto=True, nproc_per_node=None, env={**env, **extra}).workers
+        workers = node_workers(nproc_auto=True, nproc_per_node=None, env={**env, **extra}).workers
         got = [(w.device.index, w.device.uuid) for w in workers]
         check(f"plan {label}", got == [(last.index, last.uuid)], f"{got}")
         worker_env = {**env, **extra, **Settings.for_device(workers[0].device).to_env(), "LOCAL_RANK": "0"}

@@ -87,7 +87,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
     Python/torch start-up, which dominates (and blurs) the whole-job numbers."""
     from kaitian._torch import DefaultLogsSpecs, start_processes
     from kaitian.devices.device import WorkerDevice
-    from kaitian.launcher.plan import LocalWorker
+    from kaitian.launcher.workers import LocalWorker
     from kaitian.launcher.runtimes.base import RunContext, WorkerStart
     from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
     from kaitian.launcher.runtimes.docker.options import DockerOptions

@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from kaitian.errors import KaitianError
-from kaitian.launcher.runtimes.docker.images import TARGETS, build
+from kaitian.images import TARGETS, build
 
 __all__ = ["main"]
 

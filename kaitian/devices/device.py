@@ -9,7 +9,7 @@ what the worker can see and is worked out there (:mod:`kaitian.devices.visible`)
 
 - :class:`Device`: one entry of a host's inventory (with name, memory, cores).
 - :class:`WorkerDevice`: the device one worker runs on and its kaitian group;
-  the node plan's workers, the rendezvous inventory and the backend's rank
+  the node's workers, the rendezvous inventory and the backend's rank
   record all hold this one dataclass.
 - :class:`ContainerDevices`: what a container needs to see a set of devices.
 

@@ -1,9 +1,9 @@
 """Who is in the job: the store protocol of :mod:`kaitian.elastic` (docs/elastic.md).
 
-A *generation* is one process group over a list of members. Its :class:`Plan`
+A *generation* is one process group over a list of members. Its :class:`Decision`
 is decided once, by :func:`decide`, from what the survivors announced, and
 written to the workers' store with ``compare_set``, so every member of the
-generation reads the same plan. Agents read the same keys (:class:`JobRecord`)
+generation reads the same decision. Agents read the same keys (:class:`JobRecord`)
 to kill excluded workers and to mark exited ones gone.
 """
 
@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 from kaitian.errors import ElasticError, SplitError
 
 __all__ = [
-    "Announcement", "Plan", "JobRecord", "Membership", "MemberLost", "decide", "node_of", "store_prefix",
+    "Announcement", "Decision", "JobRecord", "Membership", "MemberLost", "decide", "node_of", "store_prefix",
 ]
 
 _log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Announcement(_Record):
 
 
 @dataclass(frozen=True)
-class Plan(_Record):
+class Decision(_Record):
     """One generation, the same for every member.
 
     Attributes:
@@ -86,7 +86,7 @@ class Plan(_Record):
         source: the rank whose state every member takes (``-1``: all hold the same).
         applied, epoch, step: where training goes on (steps applied; the next step).
         excluded: members of the previous generation left out (gone or late).
-        joiners_seen: joiners registered when the plan was decided (all admitted or gone).
+        joiners_seen: joiners registered when the decision was made (all admitted or gone).
         error: why the job cannot go on ("" if it can).
     """
 
@@ -113,8 +113,8 @@ def decide(
     min_batch: int,
     min_nodes: int = 1,
     joiners_seen: int = 0,
-) -> Plan:
-    """The plan of ``generation``: who is in, in which order, with which split, from which state.
+) -> Decision:
+    """The decision of ``generation``: who is in, in which order, with which split, from which state.
 
     Members are the previous generation's (``expected``, in their rank order)
     that announced and are not gone, then the joiners in the order they came
@@ -123,21 +123,21 @@ def decide(
     them is the source of the state when members differ. A group that failed
     while every member is still there lost nobody: a bug in the script (ranks
     issuing different collectives) or a peer slower than the timeout, which
-    another generation would only repeat; the plan says so.
+    another generation would only repeat; the decision says so.
 
     Args:
         generation: the generation being decided.
         expected: the previous generation's members, in rank order.
         announced: announcements by member id.
         gone: ids of workers that exited (their agents said so).
-        joiners: joiners registered since the previous plan, in order.
+        joiners: joiners registered since the previous decision, in order.
         global_batch: samples per step over all ranks.
         min_batch: the smallest batch a rank may get.
         min_nodes: ``--nnodes`` MIN.
-        joiners_seen: joiners registered in all (the plan's ``joiners_seen``).
+        joiners_seen: joiners registered in all (the decision's ``joiners_seen``).
 
     Returns:
-        The plan; ``error`` says why it cannot go on, if so.
+        The decision; ``error`` says why it cannot go on, if so.
     """
     from kaitian.training.split import proportional_split
 
@@ -149,17 +149,17 @@ def decide(
     members = survivors + fresh[:room]
     ids = [a.id for a in members]
     excluded = [m for m in expected if m not in ids]
-    plan = Plan(generation, ids, [], excluded=excluded, joiners_seen=joiners_seen)
+    decision = Decision(generation, ids, [], excluded=excluded, joiners_seen=joiners_seen)
     holders = [a for a in members if a.applied is not None]
     if not holders:
-        return _failed(plan, "no member holds the training state (every worker that trained was lost)")
+        return _failed(decision, "no member holds the training state (every worker that trained was lost)")
     # a benched rank (no share) sees the group end under its wait for state: a symptom, not a failure
     failures = [a.failure for a in survivors if a.failure and a.share > 0]
     if failures and not excluded:
-        return _failed(plan, f"the process group failed but no member was lost: {failures[0]}")
+        return _failed(decision, f"the process group failed but no member was lost: {failures[0]}")
     nodes = {node_of(m) for m in ids}
     if len(nodes) < min_nodes:
-        return _failed(plan, f"only {len(nodes)} node(s) left, below --nnodes MIN={min_nodes}")
+        return _failed(decision, f"only {len(nodes)} node(s) left, below --nnodes MIN={min_nodes}")
     best = max(a.applied for a in holders)
     lead = next(a for a in holders if a.applied == best)
     shares = [a.share for a in holders if a.share > 0]
@@ -169,9 +169,9 @@ def decide(
     try:
         split = proportional_split(global_batch, weights, minimum=min_batch)
     except SplitError as e:
-        return _failed(plan, f"cannot split the global batch over {len(members)} members: {e}")
+        return _failed(decision, f"cannot split the global batch over {len(members)} members: {e}")
     transfer = any(a.applied != best for a in members)
-    return Plan(generation, ids, split, source=ids.index(lead.id) if transfer else -1, applied=best,
+    return Decision(generation, ids, split, source=ids.index(lead.id) if transfer else -1, applied=best,
                 epoch=lead.epoch, step=lead.step, excluded=excluded, joiners_seen=joiners_seen)
 
 
@@ -180,9 +180,9 @@ def _group_mean(group: str, holders: Sequence[Announcement], fallback: float) ->
     return sum(same) / len(same) if same else fallback
 
 
-def _failed(plan: Plan, why: str) -> Plan:
-    return Plan(plan.generation, plan.members, plan.split, excluded=plan.excluded,
-                joiners_seen=plan.joiners_seen, error=why)
+def _failed(decision: Decision, why: str) -> Decision:
+    return Decision(decision.generation, decision.members, decision.split, excluded=decision.excluded,
+                joiners_seen=decision.joiners_seen, error=why)
 
 
 class JobRecord:
@@ -223,13 +223,13 @@ class JobRecord:
         return set(self._list("gone"))
 
     def latest(self) -> int:
-        """The newest generation with a plan (-1 before the first)."""
+        """The newest generation with a decision (-1 before the first)."""
         raw = self._get("latest")
         return int(raw) if raw else -1
 
-    def plan(self, generation: int) -> Optional[Plan]:
-        raw = self._get(f"plan/{generation}")
-        return Plan.from_json(raw) if raw else None
+    def decision(self, generation: int) -> Optional[Decision]:
+        raw = self._get(f"decision/{generation}")
+        return Decision.from_json(raw) if raw else None
 
     def stop_reason(self) -> str:
         """Why the job cannot go on ("" while it can)."""
@@ -244,12 +244,12 @@ class JobRecord:
 
     # -- what members write ----------------------------------------------------
 
-    def publish(self, plan: Plan) -> Plan:
-        """Writes ``plan`` unless one exists for its generation; returns the one that counts."""
-        key = self.key(f"plan/{plan.generation}")
-        mine = plan.to_json()
+    def publish(self, decision: Decision) -> Decision:
+        """Writes ``decision`` unless one exists for its generation; returns the one that counts."""
+        key = self.key(f"decision/{decision.generation}")
+        mine = decision.to_json()
         won = bytes(self.store.compare_set(key, "", mine)).decode()
-        chosen = Plan.from_json(won)
+        chosen = Decision.from_json(won)
         self.note_latest(chosen.generation)
         if chosen.error:
             self.store.set(self.key("stop"), chosen.error)
@@ -276,16 +276,16 @@ class Membership(JobRecord):
         self.me = me
         self.quorum_timeout = float(quorum_timeout)
 
-    def launch(self, rank: int, world: int, timeout: float) -> Plan:
+    def launch(self, rank: int, world: int, timeout: float) -> Decision:
         """Generation 0: the launch world, in launch-rank order (every launch worker calls it)."""
         self.store.set(self.key(f"hello/{rank}"), self.me)
         keys = [self.key(f"hello/{r}") for r in range(world)]
         _wait_keys(self.store, keys, timeout)
         members = [bytes(v).decode() for v in self.store.multi_get(keys)]
-        plan = Plan(0, members, [])  # the launch split is the sampler's (capabilities)
+        decision = Decision(0, members, [])  # the launch split is the sampler's (capabilities)
         if rank == 0:
-            plan = self.publish(plan)
-        return plan
+            decision = self.publish(decision)
+        return decision
 
     def announcements(self, generation: int) -> Dict[str, Announcement]:
         out = {}
@@ -302,8 +302,8 @@ class Membership(JobRecord):
         return int(self.store.add(self.key("joiner_count"), 0))
 
     def agree(self, generation: int, expected: Sequence[str], mine: Announcement,
-              global_batch: int, min_batch: int, min_nodes: int, joiners_before: int) -> Plan:
-        """Announces ``mine`` and returns the plan of ``generation`` (decided here or by another member).
+              global_batch: int, min_batch: int, min_nodes: int, joiners_before: int) -> Decision:
+        """Announces ``mine`` and returns the decision of ``generation`` (decided here or by another member).
 
         The first member that sees every expected member announced or gone
         decides; otherwise the first announced member decides after the quorum
@@ -313,10 +313,10 @@ class Membership(JobRecord):
         self._append(f"alive/{generation}", mine.to_json())
         start = time.monotonic()
         while True:
-            plan = self.plan(generation)
-            if plan is not None:
+            decision = self.decision(generation)
+            if decision is not None:
                 self.note_latest(generation)
-                return plan
+                return decision
             announced, gone = self.announcements(generation), self.gone()
             complete = all(m in announced or m in gone for m in expected)
             live = [m for m in expected if m in announced and m not in gone]
@@ -328,33 +328,33 @@ class Membership(JobRecord):
                 return self.publish(decided)
             time.sleep(_POLL_S)
 
-    def ready(self, plan: Plan) -> None:
-        """Waits until every member of ``plan`` is ready to build its group.
+    def ready(self, decision: Decision) -> None:
+        """Waits until every member of ``decision`` is ready to build its group.
 
         Raises:
             MemberLost: a member is gone, or not ready within the quorum deadline.
         """
-        self._append(f"ready/{plan.generation}", self.me)
+        self._append(f"ready/{decision.generation}", self.me)
         start = time.monotonic()
         while True:
-            gone = [m for m in plan.members if m in self.gone()]
+            gone = [m for m in decision.members if m in self.gone()]
             if gone:
-                raise MemberLost(f"{', '.join(gone)} left while generation {plan.generation} was forming")
-            ready = set(self._list(f"ready/{plan.generation}"))
-            if all(m in ready for m in plan.members):
+                raise MemberLost(f"{', '.join(gone)} left while generation {decision.generation} was forming")
+            ready = set(self._list(f"ready/{decision.generation}"))
+            if all(m in ready for m in decision.members):
                 return
             if time.monotonic() - start > self.quorum_timeout:
-                late = [m for m in plan.members if m not in ready]
+                late = [m for m in decision.members if m not in ready]
                 raise MemberLost(f"{', '.join(late)} not ready within {self.quorum_timeout:g} s "
-                                 f"for generation {plan.generation}")
+                                 f"for generation {decision.generation}")
             time.sleep(_POLL_S / 2)
 
     def register_joiner(self, mine: Announcement) -> None:
         self._append("joiners", mine.to_json())
         self.store.add(self.key("joiner_count"), 1)
 
-    def await_admission(self, poll_s: float = 0.05) -> Optional[Plan]:
-        """A joiner: the first plan that includes it, or ``None`` once training is over.
+    def await_admission(self, poll_s: float = 0.05) -> Optional[Decision]:
+        """A joiner: the first decision that includes it, or ``None`` once training is over.
 
         Raises:
             ElasticError: the job cannot go on.
@@ -363,9 +363,9 @@ class Membership(JobRecord):
         while True:
             latest = self.latest()
             for generation in range(checked + 1, latest + 1):
-                plan = self.plan(generation)
-                if plan is not None and self.me in plan.members:
-                    return plan
+                decision = self.decision(generation)
+                if decision is not None and self.me in decision.members:
+                    return decision
             checked = max(checked, latest)
             reason = self.stop_reason()
             if reason:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.utils.data
 
 from kaitian.elastic import group as _group
-from kaitian.elastic.membership import Announcement, MemberLost, Membership, Plan
+from kaitian.elastic.membership import Announcement, MemberLost, Membership, Decision
 from kaitian.elastic.state import broadcast_state, rng_state, set_rng_state
 from kaitian.errors import ElasticError, TrainingError
 from kaitian.settings import settings
@@ -70,7 +70,7 @@ class Event:
 
     Attributes:
         kind: ``"lost"`` (a failure broke the group), ``"agreed"`` (the next
-            generation's plan is decided), ``"reformed"`` (it trains),
+            generation's decision is made), ``"reformed"`` (it trains),
             ``"joined"`` (this worker was admitted and has the state).
         generation: the generation it concerns (``lost``: the broken one).
         time: ``time.time()`` when it happened.
@@ -186,7 +186,7 @@ class Trainer:
         self.sampler = None
         self._global_batch = 0
         self.rebalancer = None
-        self.plan: Optional[Plan] = None
+        self.decision: Optional[Decision] = None
         self.applied = self.epoch = self.step = 0
         self.events: List[Event] = []
         self._on_event: Optional[Callable[[Event], None]] = None
@@ -205,7 +205,7 @@ class Trainer:
 
     @property
     def generation(self) -> int:
-        return self.plan.generation if self.plan is not None else 0
+        return self.decision.generation if self.decision is not None else 0
 
     def fit(self, step_fn: StepFn, epochs: int, on_step: Optional[Callable[[StepInfo], None]] = None,
             on_event: Optional[Callable[[Event], None]] = None) -> bool:
@@ -270,9 +270,9 @@ class Trainer:
             return self._join()
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self._global_batch = self._sampler_args["batch_size"] * world
-        self.plan = self._membership.launch(rank, world, _LAUNCH_SETUP_S)
+        self.decision = self._membership.launch(rank, world, _LAUNCH_SETUP_S)
         try:
-            self._enter(self.plan)
+            self._enter(self.decision)
         except Exception as exc:  # noqa: BLE001 (a loss while the launch group forms)
             failure = _group.loss_of(exc)
             if failure is None:
@@ -284,49 +284,49 @@ class Trainer:
         m = self._membership
         m.register_joiner(Announcement(self._me, None, group=settings().group or self.device.type))
         _log.info("kaitian elastic: %s waits to join the running job", self._me)
-        plan = self._store_call(m.await_admission)
-        if plan is None:
+        decision = self._store_call(m.await_admission)
+        if decision is None:
             _log.info("kaitian elastic: training ended before %s was admitted", self._me)
             return False
         self.applied = None  # no state until a member sends it
-        self._global_batch = sum(plan.split)
-        self.plan = plan
+        self._global_batch = sum(decision.split)
+        self.decision = decision
         try:
-            self._store_call(m.ready, plan)
-            self._enter(plan)
+            self._store_call(m.ready, decision)
+            self._enter(decision)
         except Exception as exc:  # noqa: BLE001
             failure = str(exc) if isinstance(exc, MemberLost) else _group.loss_of(exc)
             if failure is None:
                 raise
             self._recover(failure)
-        self._emit(Event("joined", self.generation, time.time(), members=list(self.plan.members),
+        self._emit(Event("joined", self.generation, time.time(), members=list(self.decision.members),
                          transferred=True))
         return True
 
     # -- a generation ------------------------------------------------------------------
 
-    def _enter(self, plan: Plan) -> None:
-        """Builds ``plan``'s group and continues in it (state from the source when members differ)."""
-        rank, world = plan.members.index(self._me), len(plan.members)
-        setup = _LAUNCH_SETUP_S if plan.generation == 0 else _REFORM_SETUP_S
-        _group.form(self._membership.store, self._membership.key(f"pg/{plan.generation}/"), rank, world,
+    def _enter(self, decision: Decision) -> None:
+        """Builds ``decision``'s group and continues in it (state from the source when members differ)."""
+        rank, world = decision.members.index(self._me), len(decision.members)
+        setup = _LAUNCH_SETUP_S if decision.generation == 0 else _REFORM_SETUP_S
+        _group.form(self._membership.store, self._membership.key(f"pg/{decision.generation}/"), rank, world,
                     self.timeout, setup)
-        if plan.generation == 0:
+        if decision.generation == 0:
             self._launch_sampler(world, rank)  # the launch split: capabilities, exchanged in the group
         else:
             if self.sampler is None:  # a joiner (or the launch group never formed)
                 self._global_sampler()
-            self.sampler.reshape(world, rank, plan.split)
-        self.sampler.first_step = plan.step  # this generation's pass over the epoch starts there
+            self.sampler.reshape(world, rank, decision.split)
+        self.sampler.first_step = decision.step  # this generation's pass over the epoch starts there
         self._wrap()
-        if plan.source >= 0:
-            state = broadcast_state(self._state() if rank == plan.source else None, plan.source, self.device)
-            if rank != plan.source:
+        if decision.source >= 0:
+            state = broadcast_state(self._state() if rank == decision.source else None, decision.source, self.device)
+            if rank != decision.source:
                 self._load(state)
-        self.applied, self.epoch, self.step = plan.applied, plan.epoch, plan.step
+        self.applied, self.epoch, self.step = decision.applied, decision.epoch, decision.step
         self.sampler.epoch = self.epoch
         self._epoch_started = self.epoch if self.step > 0 else None
-        self.plan = plan
+        self.decision = decision
 
     def _launch_sampler(self, world: int, rank: int) -> None:
         from kaitian.training.sampler import DistributedSampler
@@ -415,7 +415,7 @@ class Trainer:
         m, following = self._membership, self.generation + 1
         if m.store.check([m.key(f"alive/{following}")]):
             raise MemberLost(f"the members agree on generation {following} (a benched rank learns it while it waits)")
-        gone = m.gone() & set(self.plan.members)
+        gone = m.gone() & set(self.decision.members)
         if gone:
             raise MemberLost(f"{sorted(gone)[0]} is gone (a benched rank learns it while it waits)")
 
@@ -433,7 +433,7 @@ class Trainer:
             now = time.monotonic()
             if now - self._last_joiner_poll >= _JOINER_POLL_S:
                 self._last_joiner_poll = now
-                waiting = int(self._membership.joiner_count() > self.plan.joiners_seen)
+                waiting = int(self._membership.joiner_count() > self.decision.joiners_seen)
         rows = gather_per_rank([waiting, self.applied, self.epoch, self.step], group=group, device=self.device,
                                dtype=torch.int64)
         positions = {tuple(row[1:]) for row in rows}
@@ -455,36 +455,36 @@ class Trainer:
             failure: what broke the group ("": admitting joiners, nobody failed).
         """
         m = self._membership
-        expected, generation = list(self.plan.members), self.plan.generation + 1
+        expected, generation = list(self.decision.members), self.decision.generation + 1
         redone = bool(failure)
         while True:
             self._tear_down()
             min_batch = self.sampler.min_batch_size if self.sampler is not None else 1
-            plan = self._store_call(m.agree, generation, expected, self._announcement(failure), self._global_batch,
-                                    min_batch, self._min_nodes, self.plan.joiners_seen)
-            if plan.error:
-                raise ElasticError(f"kaitian elastic: the job cannot go on: {plan.error}")
-            if self._me not in plan.members:
+            decision = self._store_call(m.agree, generation, expected, self._announcement(failure), self._global_batch,
+                                    min_batch, self._min_nodes, self.decision.joiners_seen)
+            if decision.error:
+                raise ElasticError(f"kaitian elastic: the job cannot go on: {decision.error}")
+            if self._me not in decision.members:
                 raise ElasticError(
-                    f"kaitian elastic: {self._me} was left out of generation {plan.generation} (it answered "
+                    f"kaitian elastic: {self._me} was left out of generation {decision.generation} (it answered "
                     f"after the others had decided); its agent starts it again as a joiner"
                 )
-            self._emit(Event("agreed", plan.generation, time.time(), members=list(plan.members)))
+            self._emit(Event("agreed", decision.generation, time.time(), members=list(decision.members)))
             try:
-                self._store_call(m.ready, plan)
+                self._store_call(m.ready, decision)
                 before = self.applied
-                self._enter(plan)
+                self._enter(decision)
             except Exception as exc:  # noqa: BLE001
                 failure = str(exc) if isinstance(exc, MemberLost) else _group.loss_of(exc)
                 if failure is None:
                     raise
-                _log.warning("kaitian elastic: generation %d failed while forming: %s", plan.generation, failure)
-                self._emit(Event("lost", plan.generation, time.time(), detail=failure))
-                self.plan, redone = plan, True
-                expected, generation = list(plan.members), plan.generation + 1
+                _log.warning("kaitian elastic: generation %d failed while forming: %s", decision.generation, failure)
+                self._emit(Event("lost", decision.generation, time.time(), detail=failure))
+                self.decision, redone = decision, True
+                expected, generation = list(decision.members), decision.generation + 1
                 continue
-            self._emit(Event("reformed", plan.generation, time.time(), members=list(plan.members),
-                             redone=redone and before == plan.applied, transferred=plan.source >= 0))
+            self._emit(Event("reformed", decision.generation, time.time(), members=list(decision.members),
+                             redone=redone and before == decision.applied, transferred=decision.source >= 0))
             return
 
     def _announcement(self, failure: str) -> Announcement:

@@ -22,22 +22,21 @@ import os
 import secrets
 import signal
 import socket
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from kaitian import _torch as _te
 from kaitian.errors import RendezvousError
+from kaitian.launcher.attempt import Attempt
 from kaitian.launcher.continuing import (
     Continuation, WorkerProcess, device_present, job_record, publish_live_job, read_live_job,
 )
+from kaitian.launcher.environment import worker_environment
 from kaitian.launcher.logs import line_prefixes, one_worker_logs
-from kaitian.launcher.plan import LocalWorker
 from kaitian.launcher.rendezvous import NodePlacement, agree_on_placement, local_inventory
 from kaitian.launcher.runtimes.base import WorkerStart
-from kaitian.settings import Settings, settings
-from kaitian.version import versions
+from kaitian.settings import settings
 
-if TYPE_CHECKING:
-    from kaitian.launcher.launch import KaitianLaunch
+from kaitian.launcher.request import LaunchRequest
 
 __all__ = ["KaitianAgent"]
 
@@ -48,17 +47,17 @@ class KaitianAgent(_te.LocalElasticAgent):
     """Starts, monitors and restarts this node's workers through a runtime.
 
     Args:
-        spec: torchelastic's worker spec (``local_world_size``: the plan's workers).
+        spec: torchelastic's worker spec (``local_world_size``: this node's workers).
         config: torchrun's launch config (logs specs, start method, line prefix
             template, shutdown timeout, ``--nnodes`` MIN).
-        launch: what kaitian adds (:class:`~kaitian.launcher.launch.KaitianLaunch`).
+        launch: what kaitian adds (:class:`~kaitian.launcher.request.LaunchRequest`).
         monitor: an ``AgentMonitor`` fed with worker pids after each start, or ``None``.
     """
 
-    def __init__(self, spec: "_te.WorkerSpec", config: "_te.LaunchConfig", launch: "KaitianLaunch",
+    def __init__(self, spec: "_te.WorkerSpec", config: "_te.LaunchConfig", launch: LaunchRequest,
                  monitor: Any = None) -> None:
-        if spec.local_world_size != len(launch.plan.workers):
-            raise ValueError(f"local_world_size {spec.local_world_size} != {len(launch.plan.workers)} planned workers")
+        if spec.local_world_size != len(launch.node.workers):
+            raise ValueError(f"local_world_size {spec.local_world_size} != this node's {len(launch.node.workers)} workers")
         shutdown_timeout = _te.launch_option(config, "shutdown_timeout")  # torch 2.12+
         _te.call_supported(
             super().__init__, spec, logs_specs=config.logs_specs, start_method=config.start_method,
@@ -66,26 +65,15 @@ class KaitianAgent(_te.LocalElasticAgent):
         )
         self._shutdown_timeout = 30 if shutdown_timeout is None else shutdown_timeout
         self._launch = launch
-        self._plan = launch.plan
+        self._node_workers = launch.node
         self._runtime = launch.runtime
-        self._min_nodes = config.min_nodes
         self._monitor = monitor
-        self._placement: Optional[NodePlacement] = None  # this round's, from node 0
-        self._starts = 0
+        # The last rendezvous round's placement, and the live job a new node joins (continue mode).
+        self._round: Tuple[Optional[NodePlacement], Optional[Dict[str, Any]]] = (None, None)
+        self._attempt: Optional[Attempt] = None  # the current start
         self._served_store = None  # the store node 0 serves to its workers after a restart
-        self._workers_store: Tuple[str, int] = ("", 0)  # the address this start's workers use
         self._node = f"{socket.gethostname()}:{os.getpid()}"  # names this agent's workers in continue mode
-        self._torchrun: Dict[int, Tuple[tuple, Dict[str, str]]] = {}  # local rank -> torch's args and environment
         self._continuation: Optional[Continuation] = None
-        self._serves_store = False
-        self._joins: Optional[Dict[str, Any]] = None  # the live job a new node joins (continue mode)
-        self._elastic_run = "0"
-        self._job_key_value = ""
-        self._start_dir = ""
-
-    @property
-    def _continues(self) -> bool:
-        return self._launch.on_failure == "continue"
 
     # -- rank layout ----------------------------------------------------------
 
@@ -103,12 +91,12 @@ class KaitianAgent(_te.LocalElasticAgent):
             self._served_store = None  # node 0 of the previous round serves no more (this one may not be node 0)
         else:
             publish_live_job(store, live)
-        self._placement = agree_on_placement(
+        placement = agree_on_placement(
             store, group_rank, group_world_size,
-            local_inventory(spec.role, [w.device for w in self._plan.workers]),
+            local_inventory(spec.role, [w.device for w in self._node_workers.workers]),
             serve_worker_store=lambda: self._serve_worker_store(spec, store),
         )
-        self._joins = read_live_job(store) if live is None and self._continues else None
+        self._round = (placement, read_live_job(store) if live is None and self._launch.continues else None)
         return [
             _te.Worker(
                 local_rank=local_rank,
@@ -117,7 +105,7 @@ class KaitianAgent(_te.LocalElasticAgent):
                 world_size=p.world_size,
                 role_world_size=p.role_world_size,
             )
-            for local_rank, p in enumerate(self._placement.placements)
+            for local_rank, p in enumerate(placement.placements)
         ]
 
     # -- the workers' store ---------------------------------------------------
@@ -141,11 +129,11 @@ class KaitianAgent(_te.LocalElasticAgent):
         store, as under torchrun; continue mode needs one that outlives any
         worker, so node 0 serves it from the first start.
         """
-        live = read_live_job(store) if self._continues else None
+        live = read_live_job(store) if self._launch.continues else None
         if live is not None:
             return tuple(live["store"])
         shared = spec.rdzv_handler.use_agent_store
-        if not shared and not self._continues:
+        if not shared and not self._launch.continues:
             return None  # worker rank 0 hosts the store (torchrun's MASTER_ADDR / MASTER_PORT)
         info = getattr(spec.rdzv_handler, "last_info", None)
         bootstrap = info.bootstrap_store_info if info is not None else None
@@ -154,7 +142,7 @@ class KaitianAgent(_te.LocalElasticAgent):
         if addr is None or port is None:
             return None
         fixed = self._launch.worker_store_port
-        if shared and self._starts == 0 and (fixed is None or fixed == port):
+        if shared and self._attempt is None and (fixed is None or fixed == port):
             return addr, int(port)
         import torch.distributed as dist
 
@@ -169,7 +157,7 @@ class KaitianAgent(_te.LocalElasticAgent):
 
     # -- the job key -------------------------------------------------------------
 
-    def _job_key(self, worker_group: "_te.WorkerGroup") -> str:
+    def _job_key(self, worker_group: "_te.WorkerGroup", epoch: int) -> str:
         """The secret this start's workers prove to each other on the TCP bridge.
 
         A ``KAITIAN_JOB_KEY`` given to kaitianrun (by the user or the scheduler)
@@ -183,7 +171,7 @@ class KaitianAgent(_te.LocalElasticAgent):
             return given
         if worker_group.group_world_size == 1:
             return secrets.token_hex(32)
-        key = f"kaitian/job_key/{self._placement.epoch}"  # the round's exchange number, the same on every node
+        key = f"kaitian/job_key/{epoch}"  # the round's exchange number, the same on every node
         if worker_group.group_rank == 0:
             worker_group.store.set(key, secrets.token_hex(32))
         return worker_group.store.get(key).decode()
@@ -192,64 +180,67 @@ class KaitianAgent(_te.LocalElasticAgent):
 
     def _start_workers(self, worker_group: "_te.WorkerGroup") -> Dict[int, Any]:
         """torch's start (torchrun's environment, watchdog, health check), its
-        processes handed to the runtime with kaitian's variables."""
-        self._start_dir = self._launch.run_dir.new_start()
-        if self._placement is not None and self._placement.worker_store is not None:
-            worker_group.master_addr, worker_group.master_port = self._placement.worker_store
-        joining = self._joins is not None  # continue mode: this node joins a running job
-        self._serves_store = worker_group.group_rank == 0 and not joining
-        self._workers_store = (worker_group.master_addr, int(worker_group.master_port))
-        self._starts += 1
+        processes handed to the runtime with kaitian's variables: this start's
+        :class:`~kaitian.launcher.attempt.Attempt` is made here, once."""
+        placement, joins = self._round
+        number = 1 if self._attempt is None else self._attempt.number + 1
+        epoch = placement.epoch if placement is not None else number
+        start_dir = self._launch.run_dir.new_start()
+        agent_store = placement is not None and placement.worker_store is not None
+        if agent_store:
+            worker_group.master_addr, worker_group.master_port = placement.worker_store
+        joining = joins is not None  # continue mode: this node joins a running job
         if joining:  # a key given to kaitianrun is never published: then every node has it
-            self._elastic_run = self._joins["run"]
-            self._job_key_value = self._joins["key"] or self._job_key(worker_group)
+            elastic_run, job_key = joins["run"], joins["key"] or self._job_key(worker_group, epoch)
         else:
-            self._elastic_run = str(self._placement.epoch if self._placement is not None else self._starts)
-            self._job_key_value = self._job_key(worker_group)
+            elastic_run, job_key = str(epoch), self._job_key(worker_group, epoch)
         members = {w.local_rank: f"{self._node}/{w.local_rank}/0" for w in worker_group.workers}
 
         def to_runtime(*, args: Dict[int, tuple], envs: Dict[int, Dict[str, str]], **_: Any) -> "_te.PContext":
-            self._torchrun = {lr: (args[lr], envs[lr]) for lr in envs}
-            return self._runtime.start(self._worker_start(worker_group.workers, members, joining))
+            self._attempt = Attempt(
+                number=number, placement=placement,
+                workers_store=(worker_group.master_addr, int(worker_group.master_port)),
+                agent_store=agent_store, serves_store=worker_group.group_rank == 0 and not joining,
+                job_key=job_key, elastic_run=elastic_run, start_dir=start_dir, joining=joining,
+                torchrun={lr: (args[lr], envs[lr]) for lr in envs},
+            )
+            return self._runtime.start(self._worker_start(worker_group.workers, members))
 
         with _te.workers_started_by(to_runtime):
             pids = super()._start_workers(worker_group)
-        if self._continues:
+        if self._launch.continues:
             self._continuation = self._continue(worker_group, members)
         self._workers_started(worker_group)
         return pids
 
-    def _worker_start(self, workers: List["_te.Worker"], members: Dict[int, str], joining: bool,
+    def _worker_start(self, workers: List["_te.Worker"], members: Dict[int, str],
                       restart_count: Optional[int] = None) -> WorkerStart:
         """What the runtime runs for ``workers``, numbered 0.. in this start: each one's
-        torchrun arguments and environment with kaitian's variables on top.
+        torchrun arguments, and its environment (:func:`~kaitian.launcher.environment.worker_environment`).
 
         Args:
             workers: the group's, or one worker started again alone (with ``restart_count``).
             members: local rank -> member id (continue mode).
-            joining: the workers join a running job (continue mode).
             restart_count: a worker started alone: its ``TORCHELASTIC_RESTART_COUNT``.
         """
         spec = self._worker_group.spec
+        attempt = self._attempt
+        started = {key: self._node_workers.workers[worker.local_rank] for key, worker in enumerate(workers)}
+        seen = self._runtime.devices_seen(started)
         args: Dict[int, tuple] = {}
         envs: Dict[int, Dict[str, str]] = {}
-        started: Dict[int, LocalWorker] = {}
         prefix_fields: Dict[int, Dict[str, object]] = {}
         for key, worker in enumerate(workers):
-            planned = self._plan.workers[worker.local_rank]
-            args[key], torchrun_env = self._torchrun[worker.local_rank]
-            envs[key] = {**torchrun_env, **self._kaitian_env(planned, members[worker.local_rank], joining)}
-            if self._placement is not None and self._placement.worker_store is not None:
-                envs[key]["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # an agent serves it: rank 0 must not
-            if restart_count is not None:
-                envs[key]["TORCHELASTIC_RESTART_COUNT"] = str(restart_count)
-            started[key] = planned
+            mine = started[key]
+            args[key] = attempt.torchrun[worker.local_rank][0]
+            envs[key] = worker_environment(mine, attempt, self._launch, members[worker.local_rank],
+                                           restart_count=restart_count, container=seen.get(key))
             prefix_fields[key] = {
                 "rank": worker.global_rank,
                 "local_rank": worker.local_rank,
                 "role_name": spec.role,
-                "group": planned.device.group,
-                "vendor": planned.device.type,
+                "group": mine.device.group,
+                "vendor": mine.device.type,
             }
         alone = restart_count is not None  # logged at its local rank
         return WorkerStart(
@@ -263,20 +254,6 @@ class KaitianAgent(_te.LocalElasticAgent):
             start_method=self._start_method,
         )
 
-    def _kaitian_env(self, worker: LocalWorker, member: str, joining: bool) -> Dict[str, str]:
-        """What kaitian adds to a worker's torchrun environment (what it sees: the runtime's)."""
-        launch = self._launch
-        capability = launch.capabilities.get(worker.device.key)
-        elastic = dict(elastic_id=member, elastic_run=self._elastic_run, elastic_min_nodes=self._min_nodes,
-                       elastic_join=joining) if self._continues else {}
-        env = Settings.for_device(
-            worker.device, run_dir=self._start_dir, job_key=self._job_key_value, agent_version=versions(),
-            capability=None if capability is None else float(capability), monitor_dir=launch.monitor_dir, **elastic,
-        ).to_env()
-        if worker.cpus and not launch.omp_from_user:
-            env["OMP_NUM_THREADS"] = str(len(worker.cpus))
-        return env
-
     def _workers_started(self, worker_group: "_te.WorkerGroup") -> None:
         """Records the running workers' pids (run directory, monitor)."""
         if self._continuation is not None:
@@ -289,7 +266,8 @@ class KaitianAgent(_te.LocalElasticAgent):
         if self._monitor is not None:
             try:
                 self._monitor.watch(
-                    pids, {w.global_rank: self._plan.workers[w.local_rank].device.key for w in worker_group.workers},
+                    pids, {w.global_rank: self._node_workers.workers[w.local_rank].device.key
+                           for w in worker_group.workers},
                 )
             except Exception:  # the monitor must never take the job down
                 logger.warning("monitor.watch failed", exc_info=True)
@@ -302,7 +280,7 @@ class KaitianAgent(_te.LocalElasticAgent):
             self._remaining_restarts -= 1
             count = worker_group.spec.max_restarts - self._remaining_restarts
             start = self._worker_start([worker_group.workers[worker.local_rank]], {worker.local_rank: worker.member},
-                                       joining=True, restart_count=count)
+                                       restart_count=count)
             context = self._runtime.start(start)
             self._workers_started(worker_group)
             return context, 0
@@ -310,9 +288,9 @@ class KaitianAgent(_te.LocalElasticAgent):
         def can_restart(worker: WorkerProcess) -> bool:
             if self._remaining_restarts <= 0:
                 return False
-            return device_present(self._plan.workers[worker.local_rank].device)
+            return device_present(self._node_workers.workers[worker.local_rank].device)
 
-        record = job_record(self._workers_store, self._elastic_run)
+        record = job_record(self._attempt.workers_store, self._attempt.elastic_run)
         continuation = Continuation(record, self._runtime, restart, can_restart)
         continuation.watch([WorkerProcess(w.local_rank, members[w.local_rank], 0, self._pcontext,
                                           w.local_rank) for w in worker_group.workers])
@@ -322,8 +300,7 @@ class KaitianAgent(_te.LocalElasticAgent):
         """This agent's running continue-mode job (its store, keys and bridge key), or ``None``."""
         if self._continuation is None or not any(w.exit_code is None for w in self._continuation.workers.values()):
             return None
-        key = "" if settings().job_key else self._job_key_value
-        return {"store": list(self._workers_store), "run": self._elastic_run, "key": key}
+        return self._attempt.live_job(key_given=bool(settings().job_key))
 
     def _restart_workers(self, worker_group: "_te.WorkerGroup") -> None:
         if self._continuation is not None and worker_group.state == _te.WorkerState.HEALTHY:
@@ -331,7 +308,7 @@ class KaitianAgent(_te.LocalElasticAgent):
             # running workers stay; the new node's workers join them at a step boundary.
             logger.info("[%s] a node joins the running job; the workers keep training", worker_group.spec.role)
             self._rendezvous(worker_group)
-            worker_group.master_addr, worker_group.master_port = self._workers_store
+            worker_group.master_addr, worker_group.master_port = self._attempt.workers_store
             return
         super()._restart_workers(worker_group)
 
@@ -340,7 +317,7 @@ class KaitianAgent(_te.LocalElasticAgent):
             return super()._exit_barrier()
         # Nodes may be gone for good: no barrier over all of them. The node that
         # serves the workers' store stays until every member is done with it.
-        if self._serves_store:
+        if self._attempt.serves_store:
             self._continuation.finished(self._exit_barrier_timeout)
         return None
 

@@ -14,16 +14,18 @@ import importlib.machinery
 import logging
 import os
 import shutil
+import socket
 import sys
 import uuid
 from typing import Dict, List, NoReturn, Optional
 
 from kaitian import _torch as _te
-from kaitian.launcher.launch import KaitianLaunch, launch_agent
+from kaitian.launcher.launch import launch_agent
+from kaitian.launcher.request import LaunchRequest
 from kaitian.launcher.logs import build_logs_specs
-from kaitian.launcher.plan import parse_cpu_quota, plan_node
+from kaitian.launcher.workers import parse_cpu_quota, node_workers
 from kaitian.launcher.rundir import RunDir, collect_stale
-from kaitian.launcher.runtimes import RUNTIMES, RunContext, get_runtime, options_from_args, runtime_class
+from kaitian.launcher.runtimes import RUNTIMES, RunContext, WorkerStart, get_runtime, options_from_args, runtime_class
 from kaitian.launcher.runtimes.cpu_limits import quota_mode
 from kaitian.errors import KaitianError, UsageError
 from kaitian.settings import settings
@@ -131,6 +133,10 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
         "agent the owner of the working directory)",
     )
     k.add_argument(
+        "--dry-run", "--dry_run", action=_te.check_env,
+        help="docker: print the containers and execs this node's first start would make, and start nothing",
+    )
+    k.add_argument(
         "--monitor", action=_te.env, nargs="?", const="kaitian-monitor", default=None, metavar="DIR",
         help="record per-rank throughput and utilisation; plot + summary in DIR "
         "(default ./kaitian-monitor) when the run ends",
@@ -222,7 +228,7 @@ def _resolve_rendezvous(args: argparse.Namespace) -> Optional[int]:
 
 
 @_te.record
-def _launch(config, cmd, cmd_args, kaitian: KaitianLaunch):
+def _launch(config, cmd, cmd_args, kaitian: LaunchRequest):
     return launch_agent(config, cmd, cmd_args, kaitian)
 
 
@@ -233,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         0, or 1 when the workers failed (torchrun's root-cause summary printed).
 
     Raises:
-        UsageError, DeviceSelectionError, PlanError: bad input (nothing was started).
+        UsageError, DeviceSelectionError, NodeWorkersError: bad input (nothing was started).
         SignalException: as torchrun.
     """
     _check_script(args)
@@ -246,18 +252,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend}: unknown; registered: {', '.join(known)}")
     omp_from_user = "OMP_NUM_THREADS" in os.environ
     cpu_quota = parse_cpu_quota(args.cpu_quota)
-    plan_kwargs = dict(
+    node_kwargs = dict(
         devices_flag=args.devices,
         cpu_slots=args.cpu_slots,
         cpu_groups=args.cpu_groups,
         cpu_quota=cpu_quota,
         own_device_only=bool(getattr(args, "virtual_local_rank", False)),  # torch 2.10+
     )
-    plan = None
+    node = None
     if args.nproc_auto:
-        plan = plan_node(nproc_auto=True, nproc_per_node=None, **plan_kwargs)
-        args.nproc_per_node = str(len(plan.workers))
-        if not omp_from_user and len(plan.workers) > 1:
+        node = node_workers(nproc_auto=True, nproc_per_node=None, **node_kwargs)
+        args.nproc_per_node = str(len(node.workers))
+        if not omp_from_user and len(node.workers) > 1:
             # torchrun's default (1) without its warning: CPU slots get their core count anyway.
             os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -270,10 +276,10 @@ def run(args: argparse.Namespace) -> int:
         config, cmd, cmd_args = _te.config_from_args(torch_args)
     except (AssertionError, RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if plan is None:
-        plan = plan_node(nproc_auto=False, nproc_per_node=config.nproc_per_node, **plan_kwargs)
+    if node is None:
+        node = node_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **node_kwargs)
 
-    if args.runtime == "local" and plan.cpu_quotas:
+    if args.runtime == "local" and node.cpu_quotas:
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
     runtime_options = options_from_args(args, config)  # every runtime flag checked before anything starts
     collect_stale()
@@ -306,11 +312,11 @@ def run(args: argparse.Namespace) -> int:
                 log_dir=args.log_dir,
                 cwd=os.getcwd(),
                 options=runtime_options,
-                plan=plan,
+                cpu_quotas=node.cpu_quotas,
             ),
         )
-        kaitian = KaitianLaunch(
-            plan=plan,
+        kaitian = LaunchRequest(
+            node=node,
             run_dir=run_dir,
             runtime=runtime,
             capabilities=_capabilities(),
@@ -318,7 +324,12 @@ def run(args: argparse.Namespace) -> int:
             omp_from_user=omp_from_user,
             worker_store_port=worker_store_port,
             on_failure=args.on_failure,
+            min_nodes=config.min_nodes,
         )
+        if args.dry_run:
+            print(_dry_run(kaitian, config, cmd, cmd_args))
+            succeeded = True
+            return 0
         try:
             _launch(config, cmd, cmd_args, kaitian)
             succeeded = True
@@ -333,6 +344,40 @@ def run(args: argparse.Namespace) -> int:
         if kept:  # last, where a reader looks first
             print(f"{_PROG}: the workers' logs are kept in {kept}", file=sys.stderr, flush=True)
     return 0 if failure is None else 1
+
+
+def _dry_run(request: LaunchRequest, config, cmd, cmd_args) -> str:
+    """``--dry-run``: this node's first docker start (a ``DockerStart``), as YAML.
+
+    Ranks and torch's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` …)
+    come from the rendezvous at the start; it shows every worker with
+    local ranks and the variables kaitian sets, the job key hidden.
+
+    Raises:
+        UsageError: a runtime other than docker.
+    """
+    runtime = request.runtime
+    if not hasattr(runtime, "docker_start"):
+        raise UsageError(f"--dry-run prints the docker start; --runtime {runtime.name} has none to print")
+    from kaitian.launcher.attempt import Attempt
+    from kaitian.launcher.environment import worker_environment
+    from kaitian.launcher.runtimes.docker.start import LogFiles
+
+    workers = {w.local_rank: w for w in request.node.workers}
+    attempt = Attempt(
+        number=1, placement=None, workers_store=("", 0), agent_store=False, serves_store=True,
+        job_key="(made at the start)", elastic_run="1", start_dir=os.path.join(request.run_dir.path, "start0"),
+        torchrun={lr: (tuple(cmd_args), {}) for lr in workers},
+    )
+    seen = runtime.devices_seen(workers)
+    node = f"{socket.gethostname()}:{os.getpid()}"  # as the agent names its workers
+    envs = {lr: worker_environment(w, attempt, request, f"{node}/{lr}/0", container=seen.get(lr))
+            for lr, w in workers.items()}
+    job = WorkerStart(name=config.role, entrypoint=cmd, args={lr: tuple(cmd_args) for lr in workers}, envs=envs,
+                      logs_specs=config.logs_specs, workers=workers)
+    root = getattr(config.logs_specs, "root_log_dir", None)
+    return ("# kaitianrun --dry-run: torch's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are added at the start\n"
+            + runtime.docker_start(job, LogFiles(root)).to_text(inherited=os.environ))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -5,7 +5,7 @@ exits, it marks it gone in the workers' store (the survivors' quorum then
 decides at once) and starts it again alone, as a joiner, while restarts remain
 and its device is still there. It kills workers the survivors left out of a
 generation (a stopped one, one that answered late), which then restart the
-same way. When the job cannot go on (the plan says why, or the store is
+same way. When the job cannot go on (the decision says why, or the store is
 gone, or the workers never started the kaitian.elastic protocol: a script
 that does not use its Trainer) it hands over to ``restart``: the group result
 is FAILED and torch's agent restarts every worker.
@@ -147,9 +147,9 @@ class Continuation:
         try:
             latest = self.record.latest()
             while self._generation < latest:
-                plan = self.record.plan(self._generation + 1)
+                decision = self.record.decision(self._generation + 1)
                 self._generation += 1
-                excluded = set(plan.excluded) if plan is not None else set()
+                excluded = set(decision.excluded) if decision is not None else set()
                 for worker in self.workers.values():
                     if worker.exit_code is None and worker.member in excluded:
                         logger.warning("kaitian elastic: %s was left out of generation %d; stopping it",
@@ -170,8 +170,8 @@ class Continuation:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                plan = self.record.plan(self.record.latest())
-                if plan is None or set(plan.members) <= self.record.finished() | self.record.gone():
+                decision = self.record.decision(self.record.latest())
+                if decision is None or set(decision.members) <= self.record.finished() | self.record.gone():
                     return
             except (RuntimeError, OSError):
                 return

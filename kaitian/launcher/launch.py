@@ -2,10 +2,12 @@
 
 Torch's function hard-codes ``LocalElasticAgent``; this one builds a
 :class:`~kaitian.launcher.agent.KaitianAgent` from torch's config and the
-launch whole, and keeps torch's structure: rendezvous handler from the registry, agent run, ``ChildFailedError``
-for failed workers, ``SignalException`` passed through without closing the
-rendezvous, and ``finally`` shutting down the rendezvous, the runtime and the
-monitor.
+launch request, and otherwise keeps torch's steps: rendezvous handler from the
+registry, agent run, ``ChildFailedError`` for failed workers, ``SignalException``
+passed through without closing the rendezvous, and ``finally`` shutting down
+the rendezvous, the runtime and the monitor. Every difference from torch's is
+listed in ``kaitian._torch.LAUNCH_AGENT_DIFFERENCES``; a unit test fails, on
+every torch CI runs, when torch's takes something the list does not account for.
 """
 
 from __future__ import annotations
@@ -13,45 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Union
 
 from kaitian import _torch as _te
 from kaitian.launcher.agent import KaitianAgent
-from kaitian.launcher.plan import NodePlan
 from kaitian.launcher.rendezvous import KaitianRendezvousHandler
-from kaitian.launcher.rundir import RunDir
-from kaitian.launcher.runtimes import Runtime
+from kaitian.launcher.request import LaunchRequest
 
-__all__ = ["KaitianLaunch", "launch_agent"]
+__all__ = ["launch_agent"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class KaitianLaunch:
-    """What kaitian adds to torch's ``LaunchConfig``.
-
-    Attributes:
-        plan: this node's plan.
-        run_dir: this agent's run directory.
-        runtime: the runtime that starts the workers (shut down at the end).
-        capabilities: device key -> samples/s.
-        monitor_dir: ``--monitor`` directory or ``None``.
-        omp_from_user: the user set ``OMP_NUM_THREADS``.
-        worker_store_port: node 0 serves the workers' store on this port on
-            every start (``None``: torchrun's port, then a free one per restart).
-        on_failure: ``restart`` or ``continue`` (``--on-failure``).
-    """
-
-    plan: NodePlan
-    run_dir: RunDir
-    runtime: Runtime
-    capabilities: Dict[str, float] = field(default_factory=dict)
-    monitor_dir: Optional[str] = None
-    omp_from_user: bool = False
-    worker_store_port: Optional[int] = None
-    on_failure: str = "restart"
 
 
 def _make_monitor(out_dir: str, cpu_quotas: Dict[str, float]) -> Any:
@@ -67,7 +40,7 @@ def launch_agent(
     config: "_te.LaunchConfig",
     entrypoint: Union[Callable, str, None],
     args: List[Any],
-    kaitian: KaitianLaunch,
+    kaitian: LaunchRequest,
 ) -> Dict[int, Any]:
     """Runs this node's agent until the job succeeds, fails or is signalled.
 
@@ -131,7 +104,7 @@ def launch_agent(
     shutdown_rdzv = True
     try:
         if kaitian.monitor_dir:
-            monitor = _make_monitor(kaitian.monitor_dir, dict(kaitian.plan.cpu_quotas))
+            monitor = _make_monitor(kaitian.monitor_dir, dict(kaitian.node.cpu_quotas))
             if monitor is not None:
                 monitor.start()
         agent = KaitianAgent(spec, config, kaitian, monitor)

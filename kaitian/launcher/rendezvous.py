@@ -120,7 +120,7 @@ def agree_on_placement(
     epoch = store.add(f"{_PREFIX}/epoch/{group_rank}", 1)
     prefix = f"{_PREFIX}/{epoch}"
     store.set(f"{prefix}/inventory/{group_rank}", inventory.to_json())
-    share_keys = [f"{prefix}/plan/{r}" for r in range(group_world_size)]
+    share_keys = [f"{prefix}/placement/{r}" for r in range(group_world_size)]
     if group_rank == 0:
         raw = store.multi_get([f"{prefix}/inventory/{r}" for r in range(group_world_size)])
         inventories = [NodeInventory.from_json(bytes(b).decode()) for b in raw]

@@ -1,5 +1,5 @@
 """How the global batch is cut across ranks: the split algorithm, the split in force, each rank's capability,
-the re-balancer's plan.
+the re-balancer's choice of split (``balanced_split``).
 
 Everything here is deterministic: ranks that feed it the same numbers get the
 same split, so after one exchange of bit-identical values
@@ -21,7 +21,7 @@ from kaitian.training.exchange import gather_per_rank
 from kaitian.training.listeners import Listeners
 
 __all__ = [
-    "proportional_split", "epoch_layout", "SplitSchedule", "plan_split",
+    "proportional_split", "epoch_layout", "SplitSchedule", "balanced_split",
     "gather_capabilities", "rank_capabilities", "optimize_batch_size", "SplitError",
 ]
 
@@ -254,7 +254,7 @@ class SplitSchedule:
             [int(s) for s in pending[0]], None if pending[1] is None else self.draws + int(pending[1]))
 
 
-def plan_split(
+def balanced_split(
     global_batch: int,
     per_sample_s: Sequence[float],
     current: Sequence[int],

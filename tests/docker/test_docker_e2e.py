@@ -17,7 +17,7 @@ import torch
 from support import REPO, worker
 from support.conda_env import conda_activation, conda_style_env
 from support.docker import WORKER_UID, engine, inspect, kaitian_containers, own, run_agent, test_image
-from support.kept_logs import RUN_BASE, assert_logs_kept_after_failure, remove_new_kept_logs
+from support.kept_logs import RUN_BASE, assert_logs_kept_after_failure, remove_new_kept_logs, run_dirs
 
 SCRIPT = worker("docker_train")
 
@@ -306,3 +306,17 @@ def test_sigkill_of_kaitianrun_leaves_no_container_and_no_worker(tmp_path, image
             proc.wait()
         for c in kaitian_containers(agent_pid=proc.pid):
             c.remove(force=True)
+
+
+def test_dry_run_prints_the_docker_start_and_starts_nothing(tmp_path, image):
+    """--dry-run: each group's container (its settings and digest) and each worker's exec,
+    printed; no container, no worker, no run directory left."""
+    proc = run_agent([*_kaitianrun(), *_args("docker", image, "--dry-run", "--cpu-quota", "0.5,1")],
+                     env=_env(tmp_path / "out", "ok"), timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert text.count("\n- name: kaitian-") == 2 and text.count("\n- local_rank: ") == 2
+    assert '  cpu_quota: 0.5' in text and '  cpu_quota: 1.0' in text and '    KAITIAN_GROUP: "cpu1"' in text
+    assert kaitian_containers(agent_pid=proc.pid) == []
+    assert not os.path.exists(tmp_path / "out")
+    assert run_dirs(proc.pid) == []

@@ -24,7 +24,7 @@ from support import REPO, TESTS, worker
 from support.docker import TEST_IMAGE, WORKER_UID, engine, inspect, kaitian_containers, own, test_image
 from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotFoundError
 from kaitian.devices.device import WorkerDevice
-from kaitian.launcher.plan import LocalWorker, NodePlan
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 from kaitian.launcher.runtimes.docker.client import connect
 from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
@@ -53,7 +53,7 @@ def run(tmp_path, image):
             run_id=run_id, run_dir=str(run_dir), log_dir=None,
             cwd=own(str(tmp_path)) if hand_over else str(tmp_path),
             options=RuntimeOptions(own={"docker": DockerOptions(images=images or {"cpu": image}, **options)}),
-            plan=NodePlan(tuple(_two_groups().values()), cpu_quotas or {}),
+            cpu_quotas=cpu_quotas or {},
         )
         rt = DockerRuntime(ctx)
         made.append(rt)

@@ -112,7 +112,7 @@ def test_without_torch_sharing_its_store_rank_0_is_lost_and_the_others_go_on(tmp
 def test_whole_vendor_group_then_sigstop_with_two_more_losses_while_it_is_handled(tmp_path):
     """Four workers, cpu0 x2 and cpu1 x2, re-balancing: both cpu1 ranks die at once; once they are
     back, rank 1 stops (SIGSTOP): the others time out, and while they agree, rank 3 dies, and rank 2
-    dies once the plan that still counts it is decided. Rank 0 goes on alone; the stopped worker is
+    dies once the decision that still counts it is made. Rank 0 goes on alone; the stopped worker is
     left out, killed by its agent and restarted; everyone rejoins."""
     # Five restarts are planned; three to spare, so that a member a starved machine times out
     # once more (4 s) still comes back, and the last planned loss with it.

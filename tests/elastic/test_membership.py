@@ -16,29 +16,29 @@ def _a(member, applied, share=0.5, group="cpu0", failure="lost", epoch=0, step=N
 def test_survivors_in_old_rank_order_redo_the_step_in_flight_re_split_by_share():
     expected = ["n/0/0", "n/1/0", "n/2/0"]
     announced = {m: _a(m, 7, share=s) for m, s in (("n/2/0", 0.25), ("n/0/0", 0.5))}
-    plan = decide(1, expected, announced, gone={"n/1/0"}, joiners=[], global_batch=48, min_batch=1)
-    assert plan.members == ["n/0/0", "n/2/0"] and plan.excluded == ["n/1/0"] and not plan.error
-    assert plan.split == [32, 16] and plan.applied == 7 and plan.source == -1  # same state: nothing sent
+    decision = decide(1, expected, announced, gone={"n/1/0"}, joiners=[], global_batch=48, min_batch=1)
+    assert decision.members == ["n/0/0", "n/2/0"] and decision.excluded == ["n/1/0"] and not decision.error
+    assert decision.split == [32, 16] and decision.applied == 7 and decision.source == -1  # same state: nothing sent
 
 
 def test_a_survivor_one_step_behind_takes_the_state_of_the_first_that_applied_it():
     """The lost rank died inside the commit: rank 1 applied step 8, rank 0 did not."""
     announced = {"n/0/0": _a("n/0/0", 7), "n/1/0": _a("n/1/0", 8), "n/2/0": _a("n/2/0", 8)}
-    plan = decide(1, ["n/0/0", "n/1/0", "n/2/0", "n/3/0"], announced, gone={"n/3/0"}, joiners=[],
+    decision = decide(1, ["n/0/0", "n/1/0", "n/2/0", "n/3/0"], announced, gone={"n/3/0"}, joiners=[],
                   global_batch=48, min_batch=1)
-    assert plan.members == ["n/0/0", "n/1/0", "n/2/0"]
-    assert plan.applied == 8 and plan.step == 8 and plan.source == 1  # everyone continues from step 8, once
+    assert decision.members == ["n/0/0", "n/1/0", "n/2/0"]
+    assert decision.applied == 8 and decision.step == 8 and decision.source == 1  # everyone continues from step 8, once
 
 
 def test_joiners_are_weighted_like_their_vendor_group_and_get_the_state():
     announced = {"n/0/0": _a("n/0/0", 3, share=0.75, group="cpu0", failure=""),
                  "n/1/0": _a("n/1/0", 3, share=0.25, group="cpu1", failure="")}
     joiners = [Announcement("n/2/1", None, group="cpu1"), Announcement("m/0/0", None, group="cuda")]
-    plan = decide(2, ["n/0/0", "n/1/0"], announced, gone=set(), joiners=joiners, global_batch=70, min_batch=1,
+    decision = decide(2, ["n/0/0", "n/1/0"], announced, gone=set(), joiners=joiners, global_batch=70, min_batch=1,
                   joiners_seen=2)
-    assert plan.members == ["n/0/0", "n/1/0", "n/2/1", "m/0/0"] and plan.joiners_seen == 2
-    assert plan.split == [30, 10, 10, 20]  # the cpu1 joiner like cpu1 (0.25), a new vendor like the mean (0.5)
-    assert plan.source == 0 and not plan.error
+    assert decision.members == ["n/0/0", "n/1/0", "n/2/1", "m/0/0"] and decision.joiners_seen == 2
+    assert decision.split == [30, 10, 10, 20]  # the cpu1 joiner like cpu1 (0.25), a new vendor like the mean (0.5)
+    assert decision.source == 0 and not decision.error
 
 
 def test_what_cannot_go_on_says_why():
@@ -59,28 +59,28 @@ def test_a_benched_rank_called_back_by_a_joiner_is_no_failure_and_takes_the_stat
     no failure of the group; it trains again, weighted like the others, from the live state."""
     announced = {"n/0/0": _a("n/0/0", 12, share=1.0, failure=""),
                  "n/1/0": _a("n/1/0", 10, share=0.0, group="cpu1", failure="the members agree on generation 1")}
-    plan = decide(1, ["n/0/0", "n/1/0"], announced, gone=set(), joiners=[Announcement("n/2/0", None)],
+    decision = decide(1, ["n/0/0", "n/1/0"], announced, gone=set(), joiners=[Announcement("n/2/0", None)],
                   global_batch=48, min_batch=1, joiners_seen=1)
-    assert not plan.error and plan.members == ["n/0/0", "n/1/0", "n/2/0"]
-    assert plan.split == [16, 16, 16] and plan.source == 0 and plan.applied == 12
+    assert not decision.error and decision.members == ["n/0/0", "n/1/0", "n/2/0"]
+    assert decision.split == [16, 16, 16] and decision.source == 0 and decision.applied == 12
 
 
 def test_quorum_waits_for_a_silent_member_then_the_lowest_survivor_decides_once():
     store = dist.HashStore()
-    plans, began = {}, time.monotonic()
+    decisions, began = {}, time.monotonic()
 
     def member(me):
         m = Membership(store, "0", me, quorum_timeout=0.5)
-        plans[me] = (m.agree(1, ["n/0/0", "n/1/0", "n/2/0"], _a(me, 4), 48, 1, 1, 0), time.monotonic() - began)
+        decisions[me] = (m.agree(1, ["n/0/0", "n/1/0", "n/2/0"], _a(me, 4), 48, 1, 1, 0), time.monotonic() - began)
 
     threads = [threading.Thread(target=member, args=(me,)) for me in ("n/0/0", "n/2/0")]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    (plan, waited), (other, _) = plans["n/0/0"], plans["n/2/0"]
-    assert plan == other  # one plan for the generation
-    assert plan.members == ["n/0/0", "n/2/0"] and plan.excluded == ["n/1/0"]
+    (decision, waited), (other, _) = decisions["n/0/0"], decisions["n/2/0"]
+    assert decision == other  # one decision for the generation
+    assert decision.members == ["n/0/0", "n/2/0"] and decision.excluded == ["n/1/0"]
     assert waited >= 0.5  # nobody marked n/1/0 gone: the deadline passed first
 
 
@@ -88,5 +88,5 @@ def test_a_member_marked_gone_is_decided_without_waiting():
     m = Membership(dist.HashStore(), "0", "n/0/0", quorum_timeout=30.0)
     m.mark_gone("n/1/0")
     began = time.monotonic()
-    plan = m.agree(1, ["n/0/0", "n/1/0"], _a("n/0/0", 4), 48, 1, 1, 0)
-    assert plan.members == ["n/0/0"] and time.monotonic() - began < 5 and m.latest() == 1
+    decision = m.agree(1, ["n/0/0", "n/1/0"], _a("n/0/0", 4), 48, 1, 1, 0)
+    assert decision.members == ["n/0/0"] and time.monotonic() - began < 5 and m.latest() == 1

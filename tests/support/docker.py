@@ -53,7 +53,7 @@ def engine():
 
 @functools.lru_cache(maxsize=None)
 def _build() -> str:
-    from kaitian.launcher.runtimes.docker.images import build
+    from kaitian.images import build
 
     build("cpu-host", tag=TEST_IMAGE, out=io.StringIO(), client=engine())
     return TEST_IMAGE

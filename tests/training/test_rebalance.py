@@ -2,7 +2,7 @@
 
 import pytest
 
-from kaitian.training.split import plan_split
+from kaitian.training.split import balanced_split
 from kaitian.errors import SplitError
 
 
@@ -23,7 +23,7 @@ def test_converges_to_equal_compute_time(per_sample, overhead):
     for _ in range(30):
         times = _compute_times(split, per_sample, overhead)
         measured = [t / b for t, b in zip(times, split)]
-        split = plan_split(total, measured, split, min_gain=0.0)
+        split = balanced_split(total, measured, split, min_gain=0.0)
     times = _compute_times(split, per_sample, overhead)
     assert sum(split) == total
     # within one sample of the best split's time
@@ -32,19 +32,19 @@ def test_converges_to_equal_compute_time(per_sample, overhead):
 
 
 def test_respects_per_rank_maximum_batch():
-    new = plan_split(128, [1.0, 4.0], [64, 64], caps=[80, None], min_gain=0.0)
+    new = balanced_split(128, [1.0, 4.0], [64, 64], caps=[80, None], min_gain=0.0)
     assert new == [80, 48]
     with pytest.raises(SplitError, match="add up to less"):
-        plan_split(128, [1.0, 4.0], [64, 64], caps=[60, 60])
+        balanced_split(128, [1.0, 4.0], [64, 64], caps=[60, 60])
 
 
 def test_small_gains_keep_the_current_split():
     # measured 1 % apart: not worth changing (noise), with the default min_gain
-    assert plan_split(128, [1.0, 1.01], [64, 64]) == [64, 64]
-    assert plan_split(128, [1.0, 1.5], [64, 64]) != [64, 64]
+    assert balanced_split(128, [1.0, 1.01], [64, 64]) == [64, 64]
+    assert balanced_split(128, [1.0, 1.5], [64, 64]) != [64, 64]
 
 
 def test_identical_inputs_give_identical_splits():
-    a = plan_split(300, [0.7, 0.3, 0.9], [100, 100, 100], min_gain=0.0)
-    b = plan_split(300, [0.7, 0.3, 0.9], [100, 100, 100], min_gain=0.0)
+    a = balanced_split(300, [0.7, 0.3, 0.9], [100, 100, 100], min_gain=0.0)
+    b = balanced_split(300, [0.7, 0.3, 0.9], [100, 100, 100], min_gain=0.0)
     assert a == b and sum(a) == 300

@@ -22,7 +22,7 @@ from kaitian.devices.vendors import utilisation, vendor  # noqa: E402
 from kaitian.devices.vendors import cambricon, nvidia  # noqa: E402
 from kaitian.devices.visible import torch_ordinal  # noqa: E402
 from kaitian.errors import DeviceSelectionError  # noqa: E402
-from kaitian.launcher.plan import NodePlan, plan_node  # noqa: E402
+from kaitian.launcher.workers import node_workers  # noqa: E402
 from kaitian.settings import Settings  # noqa: E402
 
 # (name, memory.total bytes, bus id as NVML prints it, max PCIe gen, width, uuid)
@@ -257,7 +257,7 @@ def test_host_cuda_visible_devices_keeps_physical_indices(monkeypatch, no_tools)
 
 def test_plan_for_use_cuda_1_3_carries_physical_index_and_uuid(monkeypatch, no_tools):
     use_nvml(monkeypatch, H100_SXM[:4])
-    workers = plan_node(nproc_auto=True, nproc_per_node=None, env={"USE_CUDA": "1,3"}).workers
+    workers = node_workers(nproc_auto=True, nproc_per_node=None, env={"USE_CUDA": "1,3"}).workers
     assert [(w.device.key, w.device.uuid) for w in workers] == [
         ("cuda:1", H100_SXM[1][5]), ("cuda:3", H100_SXM[3][5])]
     assert Settings.for_device(workers[1].device).to_env() == {
@@ -267,12 +267,12 @@ def test_plan_for_use_cuda_1_3_carries_physical_index_and_uuid(monkeypatch, no_t
 def test_plan_under_host_cuda_visible_devices_2_3(monkeypatch, no_tools):
     use_nvml(monkeypatch, H100_SXM[:4])
     env = {"CUDA_VISIBLE_DEVICES": "2,3"}
-    workers = plan_node(nproc_auto=True, nproc_per_node=None, env=env).workers
+    workers = node_workers(nproc_auto=True, nproc_per_node=None, env=env).workers
     assert [(w.device.index, w.device.uuid) for w in workers] == [(2, H100_SXM[2][5]), (3, H100_SXM[3][5])]
     # a local worker inherits CUDA_VISIBLE_DEVICES=2,3: torch's cuda:0 is GPU 2
     assert [torch_ordinal(w.device, "CUDA_VISIBLE_DEVICES", env) for w in workers] == [0, 1]
     with pytest.raises(DeviceSelectionError, match="no such device 0"):
-        plan_node(nproc_auto=True, nproc_per_node=None, env={**env, "USE_CUDA": "0"})
+        node_workers(nproc_auto=True, nproc_per_node=None, env={**env, "USE_CUDA": "0"})
 
 
 def test_a_request_that_matches_nothing_is_an_error():
@@ -338,10 +338,11 @@ def test_rank_device_reads_the_launchers_variables():
 
 def test_planned_container_and_exec_give_the_worker_its_gpu():
     """USE_CUDA=1,3 in a container: GPUs by UUID, the exec's env lets worker 3 land on cuda:1."""
-    from kaitian.launcher.plan import LocalWorker
+    from kaitian.launcher.workers import LocalWorker
     from kaitian.launcher.runtimes.docker.labels import AgentIdentity
     from kaitian.launcher.runtimes.docker.options import DockerOptions
-    from kaitian.launcher.runtimes.docker.specs import container_spec, exec_spec
+    from kaitian.devices.visible import worker_visibility
+    from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec
 
     gpus = [WorkerDevice("cuda", 1, uuid=H100_SXM[1][5]), WorkerDevice("cuda", 3, uuid=H100_SXM[3][5])]
     workers = [LocalWorker(i, d) for i, d in enumerate(gpus)]
@@ -349,9 +350,9 @@ def test_planned_container_and_exec_give_the_worker_its_gpu():
                                run_dir="/run/k", cwd="/work", log_dirs=(), options=DockerOptions(),
                                agent=AgentIdentity("h", 1, "0"))
     assert container.create_kwargs()["device_requests"][0]["device_ids"] == [H100_SXM[1][5], H100_SXM[3][5]]
-    # the agent's env for worker 1, and what the runtime shows it of the container
+    # the agent's env for worker 1, with what it sees of the container (kaitian.launcher.environment's last layer)
     env = {"CUDA_VISIBLE_DEVICES": "1,2,3", **Settings.for_device(gpus[1]).to_env(),
-           **NodePlan(tuple(workers)).visible_env(workers[1], container.devices)}
+           **worker_visibility(gpus[1], container=container.devices)}
     ex = exec_spec(worker=workers[1], container=container, entrypoint="python3", args=["t.py"], env=env,
                    cwd="/work", pid_file="/run/k/1.pid")
     assert ex.env["CUDA_VISIBLE_DEVICES"] == f"{H100_SXM[1][5]},{H100_SXM[3][5]}"

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 
 from kaitian.devices.device import WorkerDevice
-from kaitian.devices.visible import torch_ordinal
+from kaitian.devices.visible import torch_ordinal, worker_visibility
 from kaitian.errors import DeviceSelectionError
 from kaitian.settings import Settings
-from kaitian.launcher.plan import LocalWorker, NodePlan
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import AgentIdentity
 from kaitian.launcher.runtimes.docker.options import DockerOptions
-from kaitian.launcher.runtimes.docker.specs import container_spec, exec_spec
+from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec
 
 AGENT = AgentIdentity(host="node0", pid=4242, start="1")
 # An 8-GPU host as NVML numbers it (physical index -> UUID).
@@ -33,19 +33,18 @@ def _container(indices, kind="cuda", uuids=None, nodes=()):
     return container, workers
 
 
-def _env(container, worker, agent_env=None, **plan):
+def _env(container, worker, agent_env=None, **visibility):
     """The worker's environment in the container, as the docker runtime builds it: the agent's
-    (which names its physical device) under what the plan shows it of the container's devices."""
-    plan = NodePlan((worker,), **plan)
+    (which names its physical device) under what it sees of the container's devices."""
     env = {**Settings.for_device(worker.device).to_env(), **(agent_env or {}),
-           **plan.visible_env(worker, container.devices)}
+           **worker_visibility(worker.device, container=container.devices, **visibility)}
     return exec_spec(worker=worker, container=container, entrypoint="python", args=(), env=env, cwd="/w",
                      pid_file="/p").env
 
 
-def _lands_on(container, worker, agent_env=None, **plan):
+def _lands_on(container, worker, agent_env=None, **visibility):
     """The container's torch ordinal the worker computes on, and which physical device that is."""
-    env = _env(container, worker, agent_env, **plan)
+    env = _env(container, worker, agent_env, **visibility)
     device = Settings.from_env(env).device
     ordinal = torch_ordinal(device, "CUDA_VISIBLE_DEVICES" if device.type == "cuda" else "MLU_VISIBLE_DEVICES", env)
     container_order = sorted(container.devices.index_map, key=container.devices.index_map.get)

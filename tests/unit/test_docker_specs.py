@@ -14,7 +14,7 @@ import pytest
 
 from kaitian.errors import DockerOptionError
 from kaitian.devices.device import WorkerDevice
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.docker.labels import (
     LABEL_AGENT_PID,
     LABEL_GROUP,
@@ -26,7 +26,7 @@ from kaitian.launcher.runtimes.docker.labels import (
 )
 from kaitian.launcher.runtimes.docker.options import DockerOptions, Mount, parse_volume
 from kaitian.launcher.runtimes.docker.exec import exit_code_from_docker
-from kaitian.launcher.runtimes.docker.specs import (
+from kaitian.launcher.runtimes.docker.start import (
     choose_user,
     container_spec,
     exec_spec,
@@ -321,7 +321,7 @@ def test_worker_user_is_the_agent_unless_asked():
 def test_run_path_entrypoint_becomes_python_in_the_container(tmp_path):
     from torch.distributed.run import run_script_path
 
-    from kaitian.launcher.runtimes.docker.runtime import _as_binary
+    from kaitian.launcher.runtimes.docker.start import as_binary as _as_binary
 
     script = tmp_path / "s.py"
     out = tmp_path / "argv.txt"
@@ -335,7 +335,7 @@ def test_run_path_entrypoint_becomes_python_in_the_container(tmp_path):
 
 
 def test_path_containment_is_by_component_not_by_prefix():
-    from kaitian.launcher.runtimes.docker.paths import inside, outermost
+    from kaitian.launcher.runtimes.docker.start import inside, outermost
 
     assert inside("/a/b", "/a") and inside("/a", "/a") and inside("/a/b", "/a/")
     assert not inside("/ab", "/a") and not inside("/a", "/a/b")

@@ -29,7 +29,7 @@ from kaitian.devices.inventory import (  # noqa: E402
 from kaitian.devices.device import WorkerDevice  # noqa: E402
 from kaitian.launcher.placement import NodeInventory, lay_out  # noqa: E402
 from kaitian.launcher.logs import build_logs_specs, line_prefixes  # noqa: E402
-from kaitian.launcher.plan import PlanError, parse_cpu_quota, plan_node  # noqa: E402
+from kaitian.launcher.workers import NodeWorkersError, parse_cpu_quota, node_workers  # noqa: E402
 from kaitian.errors import VersionMismatchError  # noqa: E402
 from kaitian.launcher.rendezvous import (  # noqa: E402
     KaitianRendezvousHandler,
@@ -126,41 +126,41 @@ def test_cpu_slots_cover_the_cores_once():
         cpu_slots(len(cores) + 1)
 
 
-# --- plans ------------------------------------------------------------------------------
+# --- node workers -----------------------------------------------------------------------
 
 
-def test_plan_nproc_auto_groups_and_quota():
+def test_node_workers_nproc_auto_groups_and_quota():
     cpu4 = [Device("cpu", i, "c", cpus=(i,)) for i in range(4)]
-    plan = plan_node(nproc_auto=True, nproc_per_node=None, cpu_groups=2, cpu_quota=[0.5, 2.0],
+    node = node_workers(nproc_auto=True, nproc_per_node=None, cpu_groups=2, cpu_quota=[0.5, 2.0],
                      env={}, devices=cpu4)
-    assert [w.device.group for w in plan.workers] == ["cpu0", "cpu0", "cpu1", "cpu1"]
-    assert [w.local_rank for w in plan.workers] == [0, 1, 2, 3]
-    assert plan.cpu_quotas == {"cpu0": 0.5, "cpu1": 2.0} and plan.hide_other_vendors
-    assert [w.cpus for w in plan.workers] == [(0,), (1,), (2,), (3,)]
-    assert all(w.device.explicit_group for w in plan.workers)
-    one = plan_node(nproc_auto=True, nproc_per_node=None, cpu_quota=[1.5], env={}, devices=cpu4)
+    assert [w.device.group for w in node.workers] == ["cpu0", "cpu0", "cpu1", "cpu1"]
+    assert [w.local_rank for w in node.workers] == [0, 1, 2, 3]
+    assert node.cpu_quotas == {"cpu0": 0.5, "cpu1": 2.0} and node.hide_other_vendors
+    assert [w.cpus for w in node.workers] == [(0,), (1,), (2,), (3,)]
+    assert all(w.device.explicit_group for w in node.workers)
+    one = node_workers(nproc_auto=True, nproc_per_node=None, cpu_quota=[1.5], env={}, devices=cpu4)
     assert one.cpu_quotas == {"cpu": 1.5}  # one value, the one group of every CPU worker
 
 
-def test_plan_nproc_per_node_keeps_torchrun_meaning():
-    plan = plan_node(nproc_auto=False, nproc_per_node=3, env={}, devices=HOST)
-    assert [w.device.key for w in plan.workers] == ["cuda:0", "cuda:1", "mlu:0"]
-    assert not plan.hide_other_vendors
-    plan = plan_node(nproc_auto=False, nproc_per_node=3, env={"USE_CUDA": "-1", "USE_MLU": "-1"},
+def test_node_workers_nproc_per_node_keep_torchrun_meaning():
+    node = node_workers(nproc_auto=False, nproc_per_node=3, env={}, devices=HOST)
+    assert [w.device.key for w in node.workers] == ["cuda:0", "cuda:1", "mlu:0"]
+    assert not node.hide_other_vendors
+    node = node_workers(nproc_auto=False, nproc_per_node=3, env={"USE_CUDA": "-1", "USE_MLU": "-1"},
                      devices=HOST)
-    assert [w.device.key for w in plan.workers] == ["cpu:0", "cpu:1", "cpu:2"]
-    assert all(w.cpus == () and not w.device.explicit_group for w in plan.workers)
+    assert [w.device.key for w in node.workers] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert all(w.cpus == () and not w.device.explicit_group for w in node.workers)
 
 
-def test_plan_errors():
+def test_node_workers_errors():
     cpu1 = [Device("cpu", 0, "c", cpus=(0,))]
-    with pytest.raises(PlanError, match="--cpu-groups 2: only 1 CPU worker"):
-        plan_node(nproc_auto=True, nproc_per_node=None, cpu_groups=2, env={}, devices=cpu1)
-    with pytest.raises(PlanError, match="2 values for 1 CPU group"):
-        plan_node(nproc_auto=True, nproc_per_node=None, cpu_quota=[1, 2], env={}, devices=cpu1)
-    with pytest.raises(PlanError):
+    with pytest.raises(NodeWorkersError, match="--cpu-groups 2: only 1 CPU worker"):
+        node_workers(nproc_auto=True, nproc_per_node=None, cpu_groups=2, env={}, devices=cpu1)
+    with pytest.raises(NodeWorkersError, match="2 values for 1 CPU group"):
+        node_workers(nproc_auto=True, nproc_per_node=None, cpu_quota=[1, 2], env={}, devices=cpu1)
+    with pytest.raises(NodeWorkersError):
         parse_cpu_quota("0,1")
-    with pytest.raises(PlanError):
+    with pytest.raises(NodeWorkersError):
         parse_cpu_quota("fast")
 
 
@@ -355,7 +355,7 @@ def test_a_signal_while_local_workers_are_pinned_stops_them(tmp_path, monkeypatc
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from kaitian.launcher.plan import LocalWorker, NodePlan
+    from kaitian.launcher.workers import LocalWorker
     from kaitian.launcher.runtimes import local
     from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 
@@ -367,7 +367,7 @@ def test_a_signal_while_local_workers_are_pinned_stops_them(tmp_path, monkeypatc
 
     monkeypatch.setattr(local, "pin", pin_then_signal)
     worker = LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))
-    runtime = local.LocalRuntime(RunContext("t", str(tmp_path), None, str(tmp_path), plan=NodePlan((worker,))))
+    runtime = local.LocalRuntime(RunContext("t", str(tmp_path), None, str(tmp_path)))
     with pytest.raises(SignalException):
         runtime.start(WorkerStart(
             name="sleeper", entrypoint="sleep", args={0: ("600",)}, envs={0: {}},
@@ -430,7 +430,7 @@ _PET_VALUES = {"nproc_auto": ("1", True), "devices": ("cuda:0,cpu", "cuda:0,cpu"
                "image": ("cuda=a:1,mlu=b:2", ["cuda=a:1", "mlu=b:2"]), "keep_containers": ("1", True),
                "volume": ("/a:/b,/c:/d:ro", ["/a:/b", "/c:/d:ro"]), "shm_size": ("8g", "8g"),
                "container_user": ("1000:1000", "1000:1000"), "monitor": ("/tmp/mon", "/tmp/mon"),
-               "on_failure": ("continue", "continue")}
+               "on_failure": ("continue", "continue"), "dry_run": ("1", True)}
 
 
 def test_every_kaitian_flag_has_a_pet_form(monkeypatch):
@@ -470,3 +470,17 @@ def test_docker_worker_pids_are_host_pids_or_unknown():
     context._execs = {0: SimpleNamespace(host_pid=None, container_pid=lambda wait=0: 7),
                       1: SimpleNamespace(host_pid=31337, container_pid=lambda wait=0: 8)}
     assert context.pids() == {0: -1, 1: 31337}
+
+
+def test_kaitians_launch_agent_accounts_for_everything_torchs_takes(monkeypatch):
+    """kaitian's launch_agent is torch's but for the differences listed in kaitian/_torch.py;
+    a torch whose launch_agent takes more (a parameter, a LaunchConfig field) fails here."""
+    from dataclasses import make_dataclass
+
+    from torch.distributed.launcher import api
+
+    assert te.launch_agent_drift() == []
+    assert te.LAUNCH_AGENT_DIFFERENCES
+    monkeypatch.setattr(api, "launch_agent", lambda config, entrypoint, args, tracer=None: None)
+    monkeypatch.setattr(api, "LaunchConfig", make_dataclass("LaunchConfig", ["min_nodes", "topology"]))
+    assert te.launch_agent_drift() == ["launch_agent(tracer=...)", "LaunchConfig.topology"]

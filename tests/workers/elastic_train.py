@@ -15,7 +15,7 @@ in ``--out`` says it fired):
   kills it when the survivors leave it out);
 - ``lost@N:R`` / ``agreed@N:R``: SIGKILL while handling the first loss
   after N steps once the in-step specs up to N fired: when the trainer
-  reports it, or once the next generation's plan is decided (a second loss
+  reports it, or once the next generation's decision is made (a second loss
   while the first is handled);
 - ``full@N:R``: no failure, only the marker, once every other spec fired:
   every launch worker was back.

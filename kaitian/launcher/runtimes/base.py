@@ -1,6 +1,6 @@
 """The contract between the elastic agent and a worker runtime.
 
-The agent decides *what* to run (ranks, environment, devices); a runtime
+The agent decides *what* to run (ranks, complete environments, devices); a runtime
 decides *where*: local subprocesses, or ``docker exec`` inside per-vendor
 containers. A runtime returns torch's ``PContext`` so the agent monitors,
 collects error files and stops workers the same way for every runtime.
@@ -12,10 +12,11 @@ import abc
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from kaitian._torch import LogsSpecs, PContext
-from kaitian.launcher.plan import LocalWorker, NodePlan
+from kaitian.devices.device import ContainerDevices
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = ["WorkerStart", "RunContext", "Runtime"]
@@ -36,7 +37,7 @@ class WorkerStart:
         args: worker arguments.
         envs: worker environments.
         logs_specs: where stdout / stderr / error files go.
-        workers: the node plan's worker each process is.
+        workers: the node's worker each process is.
         log_line_prefixes: console prefixes.
         start_method: torch's multiprocessing start method (functions only).
     """
@@ -61,7 +62,7 @@ class RunContext:
         log_dir: torchrun's ``--log-dir`` base, or ``None``.
         cwd: the user's working directory.
         options: the runtime options, checked once from the command line.
-        plan: the node's plan (its groups' CPU quotas, what its workers see).
+        cpu_quotas: group -> the CPU time its workers share, in cores (``NodeWorkers.cpu_quotas``).
     """
 
     run_id: str
@@ -69,7 +70,7 @@ class RunContext:
     log_dir: Optional[str]
     cwd: str
     options: RuntimeOptions = field(default_factory=RuntimeOptions)
-    plan: NodePlan = field(default_factory=lambda: NodePlan(()))
+    cpu_quotas: Mapping[str, float] = field(default_factory=dict)
 
 
 class Runtime(abc.ABC):
@@ -86,6 +87,11 @@ class Runtime(abc.ABC):
 
         Called once per (re)start of the worker group; keyed by local rank.
         """
+
+    def devices_seen(self, workers: Dict[int, LocalWorker]) -> Dict[int, ContainerDevices]:
+        """The devices of the container each of ``workers`` (started together) will run in;
+        a worker not named runs on the host. Decides nothing else of its environment."""
+        return {}
 
     def before_stop(self) -> None:
         """Called by the agent right before it stops the workers it started."""

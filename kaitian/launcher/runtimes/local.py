@@ -2,7 +2,7 @@
 
 Processes are started by torch's own ``start_processes`` (so logs, error
 files and signals behave exactly as under torchrun); on top of that each
-worker sees the devices the plan shows it, is pinned to its slot's cores and
+worker is pinned to its slot's cores and
 put under its group's CPU quota.
 """
 
@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 from kaitian import _torch as _te
 from kaitian.launcher.runtimes import die_with_agent
-from kaitian.launcher.plan import LocalWorker
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.cpu_limits import (
     CgroupQuota,
@@ -77,14 +77,12 @@ class LocalRuntime(Runtime):
             # standard library, so it adds no torch import to a worker's start.
             args = {r: ("-I", "-S", die_with_agent.__file__, str(os.getpid()), program, *a)
                     for r, a in args.items()}
-        plan = self.ctx.plan
-        envs = {key: {**env, **plan.visible_env(job.workers[key])} for key, env in job.envs.items()}
         pcontext = _te.call_supported(
             _te.start_processes,
             name=job.name,
             entrypoint=entrypoint,
             args=args,
-            envs=envs,
+            envs=job.envs,
             logs_specs=job.logs_specs,
             log_line_prefixes=job.log_line_prefixes,
             start_method=job.start_method,
@@ -103,7 +101,7 @@ class LocalRuntime(Runtime):
         return pcontext
 
     def _apply_quotas(self, pids: Dict[int, int], workers: Dict[int, LocalWorker]) -> None:
-        quotas = self.ctx.plan.cpu_quotas
+        quotas = self.ctx.cpu_quotas
         by_group: Dict[str, List[tuple]] = {}
         for key, worker in workers.items():
             if worker.device.group in quotas:

@@ -1,4 +1,4 @@
-"""Connecting to the Docker engine, and finding and removing kaitian's containers.
+"""Connecting to the Docker engine, finding and removing kaitian's containers, reading image labels.
 
 The docker SDK is imported here, on first use, so ``kaitianrun`` without
 ``--runtime docker`` never needs it.
@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import List, Mapping, Optional
+from typing import List, Mapping, Optional, Tuple
 
-from kaitian.errors import ContainerLookupError, DockerUnavailableError
-from kaitian.launcher.runtimes.docker.labels import label_filters
+from kaitian.errors import ContainerLookupError, DockerOptionError, DockerUnavailableError, ImageNotFoundError
+from kaitian.launcher.runtimes.docker.labels import LABEL_HOST_MOUNTS, LABEL_PYTHON, label_filters
+from kaitian.launcher.runtimes.docker.options import Mount, parse_volume
+from kaitian.launcher.runtimes.docker.start import ImageInfo
 
-__all__ = ["connect", "list_containers", "find_one", "remove_container", "is_not_found", "pid_namespace_of"]
+__all__ = [
+    "connect", "list_containers", "find_one", "remove_container", "is_not_found", "pid_namespace_of", "image_info",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +139,29 @@ def find_one(client: object, labels: Mapping[str, str]) -> Optional[object]:
             "remove the extra ones (docker rm -f NAME) and retry"
         )
     return found[0] if found else None
+
+
+def image_info(client: object, ref: str) -> ImageInfo:
+    """Reads an image's kaitian labels.
+
+    Raises:
+        ImageNotFoundError: the image is not on this host.
+        DockerOptionError: its host-mounts label cannot be parsed.
+    """
+    import docker.errors
+
+    try:
+        image = client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        raise ImageNotFoundError(
+            f"docker image {ref!r} not found on this host: build it (kaitian images build), "
+            f"pull it (docker pull {ref}) or choose another with --image VENDOR=IMAGE"
+        ) from None
+    labels = (image.attrs.get("Config") or {}).get("Labels") or {}
+    mounts: Tuple[Mount, ...] = ()
+    if labels.get(LABEL_HOST_MOUNTS):
+        try:
+            mounts = tuple(parse_volume(s) for s in labels[LABEL_HOST_MOUNTS].split(",") if s)
+        except DockerOptionError as exc:
+            raise DockerOptionError(f"image {ref!r} has a bad {LABEL_HOST_MOUNTS} label: {exc}") from None
+    return ImageInfo(mounts, labels.get(LABEL_PYTHON) or "python3")

@@ -20,7 +20,7 @@ import time
 from typing import IO, TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple
 
 from kaitian._torch import PContext, ProcessFailure, RunProcsResult, call_supported
-from kaitian.launcher.runtimes.docker.specs import ExecSpec
+from kaitian.launcher.runtimes.docker.start import ExecSpec
 from kaitian.launcher.runtimes.docker.shell import stop_command
 
 if TYPE_CHECKING:

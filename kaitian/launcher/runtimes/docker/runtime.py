@@ -12,9 +12,10 @@ the agent's stdin attach, so when the agent dies (even by SIGKILL) the
 engine closes it, the container stops, its workers die with its pid
 namespace, and the engine removes it (``shell.MAIN_TIED``).
 
-What to create is decided in ``specs`` (pure); this module carries it out:
-the engine connection is ``client``, image labels ``images``, workers as
-``docker exec`` processes ``exec``.
+What to create and exec is planned in ``start`` (pure, printable); this module
+reads what the plan depends on (image labels, the engine's cgroup driver) and
+carries it out: the engine connection is ``client``, workers as ``docker exec``
+processes ``exec``.
 """
 
 from __future__ import annotations
@@ -26,71 +27,30 @@ import sys
 from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
-from kaitian._torch import LogsSpecs, PContext
-from kaitian.errors import DockerOptionError, DockerRuntimeError, ImageNotFoundError
-from kaitian.launcher.plan import LocalWorker
-from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
+from kaitian._torch import PContext
+from kaitian.devices.device import ContainerDevices
+from kaitian.errors import DockerRuntimeError, ImageNotFoundError
+from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.rundir import record_pid_namespace
+from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.docker.client import (
-    connect, find_one, is_not_found, list_containers, pid_namespace_of, remove_container,
+    connect, find_one, image_info, is_not_found, list_containers, pid_namespace_of, remove_container,
 )
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
-from kaitian.launcher.runtimes.docker.images import ImageInfo, image_info
 from kaitian.launcher.runtimes.docker.labels import (
-    LABEL_AGENT_HOST,
-    LABEL_AGENT_PID,
-    LABEL_GROUP,
-    LABEL_KEEP,
-    LABEL_MANAGED,
-    LABEL_RUN_ID,
-    LABEL_SPEC,
-    agent_identity,
-    owner_alive,
+    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_GROUP, LABEL_KEEP, LABEL_MANAGED, LABEL_RUN_ID, LABEL_SPEC,
+    agent_identity, owner_alive,
 )
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
-from kaitian.launcher.runtimes.docker.paths import inside
-from kaitian.launcher.runtimes.docker.specs import (
-    ContainerSpec, ExecSpec, choose_user, container_spec, exec_spec, image_for,
+from kaitian.launcher.runtimes.docker import start as start_module
+from kaitian.launcher.runtimes.docker.start import (
+    ContainerSpec, DockerHost, DockerStart, ExecSpec, ImageInfo, LogFiles, as_binary, choose_user,
+    group_devices, groups_of, image_for,
 )
-from kaitian.settings import Settings
 
 __all__ = ["DockerRuntime", "DockerExecContext"]
 
 logger = logging.getLogger(__name__)
-
-
-def _grant(paths: List[str], user: str) -> None:
-    """Hands directories the workers write in to their user (a root agent only).
-
-    The agent creates them owner-only; a non-root worker must write its
-    FileStore, pid file and error files there.
-    """
-    uid, _, gid = user.partition(":")
-    for path in paths:
-        try:
-            os.chown(path, int(uid), int(gid or uid))
-        except OSError as exc:
-            logger.warning("could not hand %s to the container user %s: %s", path, user, exc)
-
-
-# `--run-path`: torchrun runs the script with runpy in the worker process; in a
-# container the same happens in the image's python.
-_RUN_PATH_CODE = (
-    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-)
-
-
-def _as_binary(entrypoint: object, args: Dict[int, Tuple]) -> Tuple[str, Dict[int, Tuple]]:
-    """The ``python -c`` equivalent of torchrun's ``--run-path`` function entrypoint.
-
-    Raises:
-        DockerOptionError: any other Python function (cannot cross into a container).
-    """
-    if getattr(entrypoint, "__name__", "") == "run_script_path":
-        return sys.executable, {r: ("-u", "-c", _RUN_PATH_CODE, *a) for r, a in args.items()}
-    raise DockerOptionError(
-        "the docker runtime starts programs (python scripts, --no-python binaries), not Python functions"
-    )
 
 
 class DockerRuntime(Runtime):
@@ -135,26 +95,24 @@ class DockerRuntime(Runtime):
     # --- the contract --------------------------------------------------------
 
     def start(self, job: WorkerStart) -> PContext:
-        """Creates or reuses the containers, then starts one ``docker exec`` per rank.
+        """Plans the start (:func:`~kaitian.launcher.runtimes.docker.start.docker_start`),
+        creates or reuses its containers, then starts one ``docker exec`` per worker.
 
         Raises:
             DockerRuntimeError: (subclasses) the daemon, an image or an option
                 is not usable; the message says what to do.
         """
-        entrypoint, args = job.entrypoint, job.args
-        if not isinstance(entrypoint, str):
-            entrypoint, args = _as_binary(entrypoint, args)
-        workers, logs_specs = job.workers, job.logs_specs
+        entrypoint, args = as_binary(job.entrypoint, job.args)
+        job = replace(job, entrypoint=entrypoint, args=args)
         client = self.client
-        # Check images before anything is started, so a missing one fails alone.
-        for w in workers.values():
-            self._image(image_for(w.device.group, w.device.type, self.options.images))
+        self._host(job.workers)  # images checked before anything is started, so a missing one fails alone
 
         def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecSpec, str]]:
-            return self._prepare(pc, entrypoint, workers, logs_specs)
+            logs = LogFiles(_root_log_dir(job), pc.stdouts, pc.stderrs, pc.error_files)
+            return self._carry_out(self.docker_start(job, logs))
 
         pc = DockerExecContext(
-            replace(job, entrypoint=entrypoint, args=args),
+            job,
             prepare=prepare,
             client=client,
             duplicate_stdout_filters=self.ctx.options.duplicate_stdout_filters,
@@ -166,6 +124,16 @@ class DockerRuntime(Runtime):
             pc.close()
             raise
         return pc
+
+    def docker_start(self, job: WorkerStart, logs: LogFiles) -> DockerStart:
+        """What starting ``job`` creates and execs (reads image labels; changes nothing)."""
+        return start_module.docker_start(job.workers, job.entrypoint, job.args, job.envs, logs,
+                                         self._host(job.workers), self.options)
+
+    def devices_seen(self, workers: Dict[int, LocalWorker]) -> Dict[int, ContainerDevices]:
+        """Each worker sees its group's container's devices."""
+        devices = {group: group_devices(group, members)[1] for group, members in groups_of(workers).items()}
+        return {key: devices[w.device.group] for key, w in workers.items()}
 
     def exit_codes(self, pcontext: PContext) -> Dict[int, Optional[int]]:
         return pcontext.exit_codes()
@@ -245,138 +213,53 @@ class DockerRuntime(Runtime):
                 self._parent_cgroup = ""
         return self._parent_cgroup or None
 
-    def _state_dir(self) -> str:
-        """The run state directory containers mount: this run's directory, or for
-        kept containers the directory of all run directories (later runs' are
-        new siblings there), so a kept container serves the next run too."""
-        run_dir = os.path.abspath(self.ctx.run_dir)
-        if not self.options.keep_containers:
-            return run_dir
-        base = os.path.dirname(run_dir)
-        if self._hands_over:
-            os.chmod(base, 0o711)  # traversable, not listable: run directories stay owner-only
-        return base
+    def _host(self, workers: Dict[int, LocalWorker]) -> DockerHost:
+        """What the plan of a start of ``workers`` depends on outside it.
 
-    def _log_dirs(self, pc: DockerExecContext, logs_specs: LogsSpecs) -> List[str]:
-        """Host directories workers write into (error files, monitor samples): exactly
-        those, never a parent (``--log-dir /tmp/x`` is ``/tmp/x``, not ``/tmp``)."""
-        dirs = set()
-        try:
-            root = logs_specs.root_log_dir
-        except Exception:  # noqa: BLE001 (custom LogsSpecs without a root)
-            root = None
-        if root and root != os.devnull:
-            dirs.add(os.path.abspath(root))
-        for path in pc.error_files.values():
-            if path and path != os.devnull:
-                d = os.path.dirname(os.path.abspath(path))
-                if not any(inside(d, m) for m in dirs):
-                    dirs.add(d)
-        if self.ctx.log_dir:
-            dirs.add(os.path.abspath(self.ctx.log_dir))
-        # kaitianrun --monitor: ranks write their samples there.
-        for env in pc.envs.values():
-            monitor_dir = Settings.from_env(env).monitor_dir
-            if monitor_dir:
-                monitor_dir = os.path.abspath(os.path.join(self.ctx.cwd, monitor_dir))
-                os.makedirs(monitor_dir, exist_ok=True)
-                dirs.add(monitor_dir)
-        return sorted(dirs)
+        Raises:
+            ImageNotFoundError: a group's image is not on this host.
+        """
+        refs = {image_for(g, members[0].device.type, self.options.images) for g, members in groups_of(workers).items()}
+        python = sys.executable
+        return DockerHost(
+            run_id=self.ctx.run_id, run_dir=self.ctx.run_dir, cwd=self.ctx.cwd, log_dir=self.ctx.log_dir,
+            agent=self._agent, user=self.user, hands_over=self._hands_over,
+            images={ref: self._image(ref) for ref in sorted(refs)}, cgroup_parent=self._cgroup_parent(),
+            cpu_quotas=self.ctx.cpu_quotas,
+            host_python=tuple(sorted({python, os.path.abspath(python), os.path.realpath(python)})),
+            agent_env=dict(os.environ),
+        )
 
-    def _writable(self, pc: DockerExecContext, pid_dir: str, log_dirs: List[str]) -> List[str]:
-        """Directories a non-root worker writes in: the run directory, this start's
-        directory and pid directory, the monitor directory, and the directories
-        torch made for error files below a log directory (never the user's
-        ``--log-dir`` itself, never anything above it)."""
-        run_dir = os.path.abspath(self.ctx.run_dir)
-        paths = {run_dir, pid_dir}
-        for env in pc.envs.values():
-            given = Settings.from_env(env)
-            if given.run_dir:
-                paths.add(os.path.abspath(given.run_dir))
-            if given.monitor_dir:
-                paths.add(os.path.abspath(os.path.join(self.ctx.cwd, given.monitor_dir)))
-        roots = [run_dir, *log_dirs]
-        for path in pc.error_files.values():
-            if not path or path == os.devnull:
-                continue
-            d = os.path.dirname(os.path.abspath(path))
-            while any(d != r and inside(d, r) for r in roots):
-                paths.add(d)
-                d = os.path.dirname(d)
-        return sorted(paths)
-
-    def _prepare(
-        self,
-        pc: DockerExecContext,
-        entrypoint: str,
-        workers: Dict[int, LocalWorker],
-        logs_specs: LogsSpecs,
-    ) -> Dict[int, Tuple[ExecSpec, str]]:
-        groups: Dict[str, List[LocalWorker]] = {}
-        for rank in sorted(workers):
-            groups.setdefault(workers[rank].device.group, []).append(workers[rank])
-        log_dirs = self._log_dirs(pc, logs_specs)
-        state_dir = self._state_dir()
-        cwd = os.path.abspath(self.ctx.cwd)
-        containers: Dict[str, ContainerSpec] = {}
-        for group, members in groups.items():
-            ref = image_for(group, members[0].device.type, self.options.images)
-            containers[group] = container_spec(
-                group=group,
-                workers=members,
-                image=ref,
-                cpu_quota=self.ctx.plan.cpu_quotas.get(group),
-                run_id=self.ctx.run_id,
-                run_dir=state_dir,
-                cwd=cwd,
-                log_dirs=log_dirs,
-                options=self.options,
-                agent=self._agent,
-                user=self.user,
-                image_mounts=self._image(ref).mounts,
-                cgroup_parent=self._cgroup_parent(),
-            )
-
-        pid_dir = os.path.join(self.ctx.run_dir, "docker-pids")
-        os.makedirs(pid_dir, mode=0o700, exist_ok=True)
-        if self._hands_over:
-            _grant(self._writable(pc, pid_dir, log_dirs), self.user)
-        for group, container in containers.items():
-            self._containers[group] = self._ensure(container)
-
-        host_python = {sys.executable, os.path.abspath(sys.executable), os.path.realpath(sys.executable)}
-        out: Dict[int, Tuple[ExecSpec, str]] = {}
-        for rank, w in workers.items():
-            container = containers[w.device.group]
-            ex = exec_spec(
-                worker=w,
-                container=container,
-                entrypoint=entrypoint,
-                args=pc.args[rank],
-                # Like torch's local subprocesses, workers inherit the agent's
-                # environment under the variables the agent set, and see the container's devices.
-                env={**os.environ, **pc.envs[rank], **self.ctx.plan.visible_env(w, container.devices)},
-                cwd=cwd,
-                pid_file=os.path.join(pid_dir, f"{w.local_rank}.pid"),  # a worker restarted alone is key 0
-                stdout=pc.stdouts[rank],
-                stderr=pc.stderrs[rank],
-                host_python=sorted(host_python),
-                image_python=self._image(container.image).python,
-            )
-            out[rank] = (ex, self._containers[w.device.group])
-        return out
+    def _carry_out(self, plan: DockerStart) -> Dict[int, Tuple[ExecSpec, str]]:
+        """Makes the plan's directories and containers: each worker's exec and its container's id."""
+        for path in plan.make_dirs:
+            os.makedirs(path, exist_ok=True)
+        if self.options.keep_containers and self._hands_over:
+            # Kept containers mount the directory of all run directories:
+            # traversable, not listable, so run directories stay owner-only.
+            os.chmod(os.path.dirname(os.path.abspath(self.ctx.run_dir)), 0o711)
+        os.makedirs(os.path.join(self.ctx.run_dir, "docker-pids"), mode=0o700, exist_ok=True)
+        for path in plan.hand_over:  # a root agent made them owner-only: the workers' user must write there
+            uid, _, gid = self.user.partition(":")
+            try:
+                os.chown(path, int(uid), int(gid or uid))
+            except OSError as exc:
+                logger.warning("could not hand %s to the container user %s: %s", path, self.user, exc)
+        for container in plan.containers:
+            self._containers[container.group] = self._ensure(container)
+        return {key: (ex, self._containers[ex.group]) for key, ex in plan.execs.items()}
 
     def _ensure(self, spec: ContainerSpec) -> str:
         """The id of a running container matching ``spec``: reused or created."""
         client = self.client
         labels = spec.labels
+        digest = spec.digest
         if self.options.keep_containers:
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)}
         else:
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)}
         found = find_one(client, key)
-        if found is not None and (found.labels.get(LABEL_SPEC) != spec.digest or (spec.tied and found.id not in self._ties)):
+        if found is not None and (found.labels.get(LABEL_SPEC) != digest or (spec.tied and found.id not in self._ties)):
             logger.info("container %s no longer matches its group; recreating it", found.name)
             remove_container(found)
             found = None
@@ -422,3 +305,10 @@ class DockerRuntime(Runtime):
         if pid_ns:
             record_pid_namespace(self.ctx.run_dir, pid_ns)
         return container.id
+
+
+def _root_log_dir(job: WorkerStart) -> Optional[str]:
+    try:
+        return job.logs_specs.root_log_dir
+    except Exception:  # noqa: BLE001 (custom LogsSpecs without a root)
+        return None

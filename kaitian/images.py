@@ -21,21 +21,18 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, TextIO, Tuple
+from typing import Dict, Iterable, List, Optional, TextIO
 
 from kaitian.devices.vendors import VENDORS
-from kaitian.launcher.runtimes.docker.paths import outermost
-from kaitian.errors import DockerOptionError, ImageBuildError, ImageNotFoundError
-from kaitian.launcher.runtimes.docker.labels import LABEL_HOST_MOUNTS, LABEL_PYTHON
-from kaitian.launcher.runtimes.docker.options import Mount, parse_volume
+from kaitian.launcher.runtimes.docker.start import outermost
+from kaitian.errors import ImageBuildError
 
-__all__ = ["build", "TARGETS", "ImageBuildError", "ImageInfo", "image_info", "host_mounts", "host_python", "host_python_env", "build_context"]
+__all__ = ["build", "TARGETS", "ImageBuildError", "host_mounts", "host_python", "host_python_env", "build_context"]
 
 TARGETS = ("cpu-host", "cpu", "cuda", "mlu")
 
-# kaitian/launcher/runtimes/docker/images.py -> the checkout root, five levels up.
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 4))
+# kaitian/images.py -> the checkout root, one level up.
+_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 _DOCKERFILES = os.path.join(_REPO, "dockerfiles")
 # What the real images need from the checkout: sources and build files only.
 _CONTEXT_ITEMS = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in", "README.md", "LICENSE", "kaitian", "cpp")
@@ -43,45 +40,6 @@ _SKIP_SUFFIXES = (".so", ".pyc", ".o")
 _SKIP_DIRS = {"__pycache__", "build", ".git", "dist", ".pytest_cache"}
 # /etc files the host Python and its libraries read (user names, linker cache, name service).
 _HOST_ETC = ("passwd", "group", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "localtime", "ssl")
-
-
-@dataclass(frozen=True)
-class ImageInfo:
-    """What an image declares through its labels.
-
-    Attributes:
-        mounts: host paths it needs bind-mounted (``org.kaitian.host-mounts``).
-        python: its Python interpreter (``org.kaitian.python``, default ``python3``).
-    """
-
-    mounts: Tuple[Mount, ...] = ()
-    python: str = "python3"
-
-
-def image_info(client: object, ref: str) -> ImageInfo:
-    """Reads an image's kaitian labels.
-
-    Raises:
-        ImageNotFoundError: the image is not on this host.
-        DockerOptionError: its host-mounts label cannot be parsed.
-    """
-    import docker.errors
-
-    try:
-        image = client.images.get(ref)
-    except docker.errors.ImageNotFound:
-        raise ImageNotFoundError(
-            f"docker image {ref!r} not found on this host: build it (kaitian images build), "
-            f"pull it (docker pull {ref}) or choose another with --image VENDOR=IMAGE"
-        ) from None
-    labels = (image.attrs.get("Config") or {}).get("Labels") or {}
-    mounts: Tuple[Mount, ...] = ()
-    if labels.get(LABEL_HOST_MOUNTS):
-        try:
-            mounts = tuple(parse_volume(s) for s in labels[LABEL_HOST_MOUNTS].split(",") if s)
-        except DockerOptionError as exc:
-            raise DockerOptionError(f"image {ref!r} has a bad {LABEL_HOST_MOUNTS} label: {exc}") from None
-    return ImageInfo(mounts, labels.get(LABEL_PYTHON) or "python3")
 
 
 def default_tag(target: str) -> str:

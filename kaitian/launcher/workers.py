@@ -1,4 +1,4 @@
-"""What this node runs: its plan, decided once before the agent starts.
+"""What this node runs: its workers, decided once before the agent starts.
 
 ``--nproc-auto``: one worker per selected device (``USE_<VENDOR>`` /
 ``--devices``), CPU workers pinned to their slot's cores. ``--nproc-per-node
@@ -10,7 +10,7 @@ N`` keeps torchrun's meaning (N workers, no pinning); worker ``i`` gets the
 A worker is one :class:`LocalWorker` from here to the runtime (its device
 also travels through the rendezvous and, in the worker's environment, to the
 backend); what holds for a whole group or the node (CPU quotas, which devices
-the workers see) is on the :class:`NodePlan`.
+the workers see) is on the :class:`NodeWorkers`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
+from kaitian.devices.device import Device, WorkerDevice
 from kaitian.devices.inventory import discover, parse_devices_flag, select
-from kaitian.devices.visible import worker_visibility
-from kaitian.errors import PlanError
+from kaitian.errors import NodeWorkersError
 
-__all__ = ["LocalWorker", "NodePlan", "PlanError", "parse_cpu_quota", "plan_node"]
+__all__ = ["LocalWorker", "NodeWorkers", "NodeWorkersError", "parse_cpu_quota", "node_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class LocalWorker:
 
 
 @dataclass(frozen=True)
-class NodePlan:
+class NodeWorkers:
     """This node's workers, and what holds for their groups and for the node.
 
     Attributes:
@@ -65,18 +64,12 @@ class NodePlan:
     hide_other_vendors: bool = False
     own_device_only: bool = False
 
-    def visible_env(self, worker: LocalWorker, container: Optional[ContainerDevices] = None) -> Dict[str, str]:
-        """The worker's visibility variables, on the host or in ``container``
-        (:func:`kaitian.devices.visible.worker_visibility`)."""
-        return worker_visibility(worker.device, hide_other_vendors=self.hide_other_vendors,
-                                 own_device_only=self.own_device_only, container=container)
-
 
 def parse_cpu_quota(raw: Optional[str]) -> Optional[List[float]]:
     """``--cpu-quota 0.5,1.5`` -> ``[0.5, 1.5]``.
 
     Raises:
-        PlanError: not a comma list of positive numbers.
+        NodeWorkersError: not a comma list of positive numbers.
     """
     if raw is None:
         return None
@@ -85,7 +78,7 @@ def parse_cpu_quota(raw: Optional[str]) -> Optional[List[float]]:
     except ValueError:
         values = []
     if not values or any(not v > 0 for v in values):
-        raise PlanError(f"--cpu-quota {raw!r}: give cores of CPU time per CPU group, e.g. 0.5,1.5")
+        raise NodeWorkersError(f"--cpu-quota {raw!r}: give cores of CPU time per CPU group, e.g. 0.5,1.5")
     return values
 
 
@@ -94,16 +87,16 @@ def _cpu_groups(count: int, groups: Optional[int]) -> List[str]:
     if groups is None:
         return ["cpu"] * count
     if groups < 1:
-        raise PlanError(f"--cpu-groups {groups}: must be at least 1")
+        raise NodeWorkersError(f"--cpu-groups {groups}: must be at least 1")
     if groups > count:
-        raise PlanError(
+        raise NodeWorkersError(
             f"--cpu-groups {groups}: only {count} CPU worker(s) on this node; "
             f"add CPU slots (--cpu-slots) or use fewer groups"
         )
     return [f"cpu{j * groups // count}" for j in range(count)]
 
 
-def plan_node(
+def node_workers(
     *,
     nproc_auto: bool,
     nproc_per_node: Optional[int],
@@ -114,8 +107,8 @@ def plan_node(
     own_device_only: bool = False,
     env: Optional[Mapping[str, str]] = None,
     devices: Optional[List[Device]] = None,
-) -> NodePlan:
-    """Builds this node's plan.
+) -> NodeWorkers:
+    """Decides this node's workers.
 
     Args:
         nproc_auto: one worker per selected device.
@@ -131,7 +124,7 @@ def plan_node(
 
     Raises:
         DeviceSelectionError: bad ``USE_*`` / ``--devices`` / ``--cpu-slots``.
-        PlanError: inconsistent kaitian flags.
+        NodeWorkersError: inconsistent kaitian flags.
     """
     if devices is None:
         devices = discover(cpu_slots, env=env)
@@ -150,11 +143,11 @@ def plan_node(
 
     cpu_positions = [i for i, c in enumerate(chosen) if c.type == "cpu"]
     if cpu_groups is not None and not cpu_positions:
-        raise PlanError(f"--cpu-groups {cpu_groups}: no CPU worker selected on this node (set USE_CPU)")
+        raise NodeWorkersError(f"--cpu-groups {cpu_groups}: no CPU worker selected on this node (set USE_CPU)")
     group_of: Dict[int, str] = dict(zip(cpu_positions, _cpu_groups(len(cpu_positions), cpu_groups)))
     n_groups = cpu_groups or 1
     if cpu_quota is not None and len(cpu_quota) not in (1, n_groups):
-        raise PlanError(
+        raise NodeWorkersError(
             f"--cpu-quota has {len(cpu_quota)} values for {n_groups} CPU group(s); give 1 or {n_groups}"
         )
     groups = dict.fromkeys(group_of.values())  # in order: cpu0, cpu1, … (or cpu)
@@ -168,4 +161,4 @@ def plan_node(
         )
         for i, dev in enumerate(chosen)
     )
-    return NodePlan(workers, quotas, hide_other_vendors=nproc_auto, own_device_only=own_device_only)
+    return NodeWorkers(workers, quotas, hide_other_vendors=nproc_auto, own_device_only=own_device_only)
