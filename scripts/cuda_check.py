@@ -6,8 +6,15 @@ GPU each, or ``mlu``: kaitian's fake MLU through ``KAITIAN_FAKE_ACCELERATOR``,
 its fake ``cncl`` inside the group when there are several) and
 ``--cpu-ranks`` CPU ranks (one group) on this host, as ``kaitianrun`` would
 (``KAITIAN_DEVICE_TYPE``/``_INDEX``/``_GROUP``; other ranks' GPUs hidden).
-Every rank then runs these phases, each under its own watchdog; rank 0
-prints one ``PASS``/``FAIL`` line per check (a failing rank prints why):
+Every rank then runs these phases; rank 0 prints one ``PASS``/``FAIL`` line
+per check (a failing rank prints why) and the driver a summary naming the
+failed ones. A check that fails or hangs on one rank costs itself alone: each
+runs under a deadline (``--check-timeout``) and the ranks agree on its outcome
+through the driver's TCPStore, not through a group (see :class:`Rank`):
+
+harness    (not run by default) the harness's own test: checks that fail or
+           hang on one rank, a phase stopped on one rank; the checks after
+           them pass
 
 ops        all_reduce (SUM, AVG, MAX; float32, bfloat16, float16, int64),
            broadcast from every rank, all_gather, reduce_scatter, against a
@@ -41,7 +48,7 @@ groups otherwise) runs a small collective.
 Usage (from the repository root, after ``make setup`` or
 ``pip install --no-build-isolation -e .``; builds nothing)::
 
-    python scripts/cuda_check.py                  # 1 CUDA rank + 2 CPU ranks (under 7 minutes)
+    python scripts/cuda_check.py                  # 1 CUDA rank + 2 CPU ranks (about 90 s on one H200)
     python scripts/cuda_check.py --device mlu     # the same on the fake MLU (no GPU needed)
     python scripts/cuda_check.py --device mlu --device-ranks 2 --cpu-ranks 0   # the vendor's path alone
     python scripts/cuda_check.py --device-ranks 0 --sizes ""   # CPU only: the script's own logic
@@ -59,10 +66,10 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -75,9 +82,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run from a checkout as well as from an installed kaitian
 
 # phase -> watchdog seconds (a phase that outlives it dumps its stacks and ends the rank)
-PHASES = {"ops": 120, "sizes": 120, "streams": 60, "memory": 60, "training": 180, "clock": 90,
+PHASES = {"harness": 60, "ops": 120, "sizes": 120, "streams": 60, "memory": 60, "training": 180, "clock": 90,
           "bandwidth": 180, "failstop": 90}  # failstop last: it breaks groups and ends a rank
 FAIL_TIMEOUT = 3.0  # the failstop phase's group timeout, seconds
+CHECK_GRACE_S = 5.0  # past a check's deadline, how long the ranks wait for a late outcome
 
 
 def _parse_size(text: str) -> int:
@@ -149,53 +157,152 @@ class Device:
 
 
 class Rank:
-    """One rank's job: its device, the reference gloo group, reporting and phases."""
+    """One rank's job: its device, its groups, and checks whose outcome every rank
+    agrees on through the driver's store, a side channel no broken group can block.
 
-    def __init__(self, args: argparse.Namespace, device: Device) -> None:
-        import torch.distributed as dist
+    A check runs in a thread of its own under a deadline (``--check-timeout``).
+    Each rank posts its outcome on the store; a rank whose check failed posts at
+    once and the others give up on theirs (they may be waiting in a collective
+    for it); a rank that has not posted by the deadline is hung, one that exited
+    (the driver marks it) is gone. The first rank to decide writes the verdict
+    (``compare_set``) and every rank, a late one too, takes it. After a failed
+    check every rank re-creates its groups (destroying the old ones aborts a
+    call a thread still waits in), so a check that fails or hangs on one rank
+    costs that check alone.
+    """
 
-        self.args, self.device = args, device
+    def __init__(self, args: argparse.Namespace, device: Device, store) -> None:
+        self.args, self.device, self.store = args, device, store
         self.rank, self.world = args.rank, args.world_size
-        self.gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+        self.generation = 0  # of the groups: each has its own prefix on the store
+        self.broken = False  # a check failed: new groups before the next one
         self.phase_name = ""
+        self.index = 0  # the check's number within its phase: its keys on the store
         self.failures = 0
+        self.watchdog_s = 0.0  # of code between checks, per phase
+        self._connect()
 
-    def report(self, name: str, ok: bool, detail: str = "", group=None) -> None:
-        """One line per check on rank 0: how many ranks found it wrong (each says why)."""
-        import torch
+    def _connect(self) -> None:
         import torch.distributed as dist
 
-        if not ok:
-            print(f"      rank {self.rank}: {self.phase_name}: {name}: {detail}"[:3000], flush=True)
-        flags = torch.tensor([0 if ok else 1])
-        dist.all_reduce(flags, group=group or self.gloo)
-        bad = int(flags)
-        if self.rank == 0:
-            self.failures += 1 if bad else 0
-            print(f"{'PASS' if not bad else 'FAIL'}  {self.phase_name}: {name}"
-                  + (f"  ({bad} rank(s) wrong)" if bad else ""), flush=True)
+        timeout = timedelta(seconds=self.args.check_timeout)  # a call a peer never joins fails within a check
+        dist.init_process_group("kaitian", store=dist.PrefixStore(f"groups/{self.generation}/", self.store),
+                                rank=self.rank, world_size=self.world, timeout=timeout)
+        self.gloo = dist.new_group(backend="gloo", timeout=timeout)
 
-    def check(self, name: str):
-        """Runs the decorated function at once as check ``name``; an exception fails it.
-        The function returns ``ok`` or ``(ok, detail)``."""
+    def reconnect(self) -> None:
+        """New groups after a failed check: the old ones may be broken or out of step."""
+        import torch.distributed as dist
+
+        if self.broken:
+            dist.destroy_process_group()
+            self.generation += 1
+            self._connect()
+            self.broken = False
+
+    def _key(self, what) -> str:
+        return f"checks/{self.phase_name}/{self.index}/{what}"
+
+    def report(self, name: str, ok: bool, detail: str = "", ranks=None) -> None:
+        """Posts this rank's outcome of check ``name`` and takes the ranks' verdict
+        (rank 0 prints it). ``ranks``: the ranks that report it (default: all)."""
+        self._decide(name, bool(ok), detail, ranks, time.monotonic() + self.args.check_timeout)
+
+    def check(self, name: str, deadline: float = 0.0):
+        """Runs the decorated function at once as check ``name``, in a thread of its
+        own under ``deadline`` seconds (default ``--check-timeout``); an exception
+        fails it. The function returns ``ok`` or ``(ok, detail)``."""
         def run(fn):
-            try:
-                result = fn()
-                ok, detail = result if isinstance(result, tuple) else (result, "")
-            except Exception as e:  # the failure is the report
-                ok, detail = False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
-            self.report(name, bool(ok), detail)
+            self.reconnect()
+            seconds = deadline or self.args.check_timeout
+            end = time.monotonic() + seconds
+            self._decide(name, *self._run(fn, end, seconds), None, end)
             return fn
         return run
 
+    def _run(self, fn, end: float, seconds: float) -> tuple:
+        """``fn``'s (ok, detail); a failure once a peer failed this check, or at ``end``."""
+        result, done = [], threading.Event()
+
+        def body():
+            try:
+                out = fn()
+                result.append(out if isinstance(out, tuple) else (out, ""))
+            except BaseException as e:  # the failure is the report
+                result.append((False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+            finally:
+                done.set()
+
+        threading.Thread(target=body, name=f"check {self.phase_name}/{self.index}", daemon=True).start()
+        while not done.wait(0.05):
+            if self.store.check([self._key("failed")]):
+                return False, "gave up: a peer failed this check"
+            if time.monotonic() > end:
+                faulthandler.dump_traceback(all_threads=True)  # where it hangs
+                return False, f"hung: not done within {seconds:.0f} s"
+        ok, detail = result[0]
+        return bool(ok), detail
+
+    def _decide(self, name: str, ok: bool, detail: str, ranks, end: float) -> None:
+        ranks = list(range(self.world)) if ranks is None else list(ranks)
+        if not ok:
+            print(f"      rank {self.rank}: {self.phase_name}: {name}: {detail}"[:3000], flush=True)
+            if not detail.startswith("gave up"):
+                self.store.set(self._key("failed"), str(self.rank))  # the peers stop waiting for this rank
+        self.store.set(self._key(self.rank), json.dumps({"ok": ok, "detail": detail[:500]}))
+        keys = {q: self._key(q) for q in ranks}
+        end += CHECK_GRACE_S  # a hung rank posts at its own deadline
+        pause = 0.001
+        while time.monotonic() < end and not all(self.store.check([keys[q]]) or self._absent(q) for q in ranks):
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        causes = []
+        for q, key in keys.items():
+            if not self.store.check([key]):
+                causes.append(f"rank {q}: {'exited or stopped the phase' if self._absent(q) else 'no outcome'}")
+                continue
+            out = json.loads(self.store.get(key))
+            if not out["ok"] and not out["detail"].startswith("gave up"):
+                causes.append(f"rank {q}: {out['detail'].splitlines()[0] if out['detail'] else 'wrong'}")
+        mine = json.dumps({"phase": self.phase_name, "name": name, "ok": not causes and ok, "causes": causes})
+        verdict = json.loads(self.store.compare_set(self._key("verdict"), "", mine))
+        self.index += 1
+        faulthandler.dump_traceback_later(self.watchdog_s, exit=True)  # rearmed: it watches code between checks
+        if not verdict["ok"]:
+            self.failures += 1
+            self.broken = True
+        if self.rank == 0:
+            print(f"{'PASS' if verdict['ok'] else 'FAIL'}  {self.phase_name}: {name}"
+                  + (f"  ({'; '.join(verdict['causes'])})"[:600] if verdict["causes"] else ""), flush=True)
+
+    def _absent(self, q: int) -> bool:
+        """Whether rank ``q`` will post nothing more in this phase (it exited or stopped the phase)."""
+        return self.store.check([f"exited/{q}"]) or self.store.check([f"stopped/{self.phase_name}/{q}"])
+
     @contextlib.contextmanager
     def phase(self, name: str):
-        self.phase_name = name
+        """Phase ``name``: starts when every rank is there (new groups if one needs
+        them); an exception outside its checks stops it on this rank alone."""
+        self.phase_name, self.index = name, 0
+        self.store.set(f"start/{name}/{self.rank}", "1" if self.broken else "0")
+        keys = [f"start/{name}/{q}" for q in range(self.world)]
+        end = time.monotonic() + PHASES[name]
+        while time.monotonic() < end and not all(self.store.check([k]) or self._absent(q) for q, k in enumerate(keys)):
+            time.sleep(0.01)
+        self.broken = any(self.store.check([k]) and self.store.get(k) == b"1" for k in keys)
+        self.reconnect()
         if self.rank == 0:
             print(f"== {name}", flush=True)
-        faulthandler.dump_traceback_later(PHASES[name], exit=True)  # the phase's watchdog
+        self.watchdog_s = max(PHASES[name], self.args.check_timeout + 2 * CHECK_GRACE_S)
+        faulthandler.dump_traceback_later(self.watchdog_s, exit=True)  # the watchdog of code outside checks
         try:
             yield
+        except Exception as e:  # the peers' next checks count this rank out
+            detail = f"{type(e).__name__}: {e}"
+            print(f"      rank {self.rank}: {name} stopped: {detail}\n{traceback.format_exc(limit=6)}", flush=True)
+            self.store.set(f"stopped/{name}/{self.rank}", detail[:500])
+            self.failures += 1
+            self.broken = True
         finally:
             faulthandler.cancel_dump_traceback_later()
 
@@ -215,6 +322,56 @@ class Rank:
             ok = torch.equal(got, exp.to(got.dtype))
         diff = float((got.double() - exp.double()).abs().max()) if got.numel() else 0.0
         return bool(ok), f"max diff {diff}"
+
+
+HARNESS_HANG_S = 4.0  # the harness's hanging check's deadline
+
+
+def phase_harness(r: Rank) -> None:
+    """The checks' own test (run first, when asked for): a check that fails on rank
+    0 alone while the others wait for it in a gloo collective (torch's PowerSGD
+    hook did that on the first GPU run), one that fails there while they wait in a
+    kaitian collective, one that hangs on the last rank alone, and this phase
+    stopping outside a check on the last rank: each of these fails by itself,
+    and collectives on new groups pass after them (so do the phases after this one)."""
+    import torch
+    import torch.distributed as dist
+
+    dev, rank, last = r.device.torch, r.rank, r.world - 1
+    want = r.world * (r.world + 1) // 2
+
+    def fail_on_rank_0_else(call):
+        if rank == 0:
+            raise ValueError("this check fails on rank 0 alone")
+        call()
+        return True
+
+    r.check("fails on rank 0 alone, the others wait for it in gloo")(
+        lambda: fail_on_rank_0_else(lambda: dist.all_reduce(torch.ones(4), group=r.gloo)))
+    # (host tensors: a vendor's step queued on a device stream, as the fake CNCL's, is
+    # not aborted with its group; NCCL's is, by ncclCommAbort)
+    r.check("fails on rank 0 alone, the others wait for it in kaitian")(
+        lambda: fail_on_rank_0_else(lambda: dist.all_reduce(torch.ones(4))))
+
+    @r.check("hangs on the last rank alone", deadline=HARNESS_HANG_S)
+    def _():
+        if rank == last:
+            time.sleep(3600)  # abandoned: the thread sleeps on until the rank exits
+        return True
+
+    @r.check("collectives on every group after them")
+    def _():
+        t, g = torch.full((4,), float(rank + 1), device=dev), torch.full((4,), float(rank + 1))
+        dist.all_reduce(t)
+        dist.all_reduce(g, group=r.gloo)
+        return bool((t.cpu() == want).all() and (g == want).all()), f"kaitian {t.tolist()}, gloo {g.tolist()}"
+
+    if rank == last:
+        raise RuntimeError("the harness phase stops outside a check on the last rank")
+
+    @r.check("the other ranks go on after the last one stopped this phase")
+    def _():
+        return True
 
 
 def phase_ops(r: Rank) -> None:
@@ -537,6 +694,31 @@ def _worst(params, ref_params) -> float:
     return max(float((p.detach().cpu() - q.detach().cpu()).abs().max()) for p, q in zip(params, ref_params))
 
 
+@contextlib.contextmanager
+def cpu_buckets_beside_cuda():
+    """Lets torch's comm hooks run on CPU buckets in a process that sees a GPU.
+
+    torch's PowerSGD hook calls ``torch.cuda.synchronize(bucket device)`` whenever
+    CUDA is available, a CPU bucket's too (``ValueError: Expected a cuda device,
+    but got: cpu``): the gloo reference's buckets are CPU tensors, with nothing
+    queued on a device to wait for, so their sync is skipped while it trains.
+    """
+    import torch
+
+    real = torch.cuda.synchronize
+
+    def synchronize(device=None):
+        if device is not None and torch.device(device).type == "cpu":
+            return
+        real(device)
+
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
+
+
 def phase_training(r: Rank) -> None:
     import torch
     import torch.nn.functional as F
@@ -599,7 +781,8 @@ def phase_training(r: Rank) -> None:
             on_gloo = TorchDDP(_model(), process_group=r.gloo)
             on_gloo.register_comm_hook(*hook(r.gloo))
             _train(model, longer, rank, scaled, dev)
-            _train(on_gloo, longer, rank, scaled, "cpu")
+            with cpu_buckets_beside_cuda():
+                _train(on_gloo, longer, rank, scaled, "cpu")
             worst = _worst(model.parameters(), on_gloo.parameters())
             return worst < tol, f"largest difference {worst} (tolerance {tol})"
 
@@ -697,7 +880,7 @@ def phase_failstop(r: Rank) -> None:
     dev, rank, last, T = r.device.torch, r.rank, r.world - 1, FAIL_TIMEOUT
     timeout = timedelta(seconds=T)
 
-    def raises(name: str, fn, texts, within: float, group=None) -> None:
+    def raises(name: str, fn, texts, within: float, ranks=None) -> None:
         start = time.monotonic()
         try:
             fn()
@@ -706,7 +889,7 @@ def phase_failstop(r: Rank) -> None:
             error = f"{type(e).__name__}: {e}"
         took = time.monotonic() - start
         r.report(name, bool(error) and all(t in error for t in texts) and took < within,
-                 f"{took:.1f} s: {error or 'no error'}", group)
+                 f"{took:.1f} s: {error or 'no error'}", ranks)
 
     def all_reduce(group):
         t = torch.ones(8, device=dev)
@@ -742,14 +925,13 @@ def phase_failstop(r: Rank) -> None:
         raises("a device queue stuck past the timeout fails the op at the timeout", stuck_device,
                ["timed out"], 1.5 * T)
 
-    survivors = dist.new_group(list(range(last)), backend="gloo")
     with r.device.stream():  # the default stream is still stuck
         dead = dist.new_group(backend="kaitian", timeout=timeout)
         dist.barrier(group=dead)
         if rank == last:
             os._exit(0)
         raises("a dead peer: every other rank raises naming it", lambda: all_reduce(dead), [f"rank {last}"], T,
-               survivors)
+               range(last))
 
 
 def phase_bandwidth(r: Rank) -> None:
@@ -808,9 +990,8 @@ def _worker(args: argparse.Namespace) -> int:
     device = Device(device_kind)
     if device.accelerated:
         device.module.set_device(0)
-    dist.init_process_group("kaitian", init_method=args.init_method, rank=args.rank, world_size=args.world_size,
-                            timeout=timedelta(seconds=120))
-    r = Rank(args, device)
+    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60))
+    r = Rank(args, device, store)
     for name in args.phases:
         if name == "bandwidth" and not args.sizes:
             continue
@@ -818,7 +999,6 @@ def _worker(args: argparse.Namespace) -> int:
             globals()[f"phase_{name}"](r)
         if name == "failstop":
             break  # it ends a rank and breaks groups: nothing runs after it
-        dist.barrier(group=r.gloo)
     sys.stdout.flush()
     os._exit(1 if r.failures else 0)  # broken groups cannot be torn down collectively
 
@@ -826,18 +1006,29 @@ def _worker(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ the driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _summary(store, phases) -> tuple:
+    """(the failed checks' names, how many checks there were), from the verdicts the ranks agreed on."""
+    failed, count = [], 0
+    for phase in phases:
+        i = 0
+        while store.check([f"checks/{phase}/{i}/verdict"]):
+            verdict = json.loads(store.get(f"checks/{phase}/{i}/verdict"))
+            if not verdict["ok"]:
+                failed.append(f"{phase}: {verdict['name']}")
+            i += 1
+        count += i
+    return failed, count
 
 
 def _launch(args: argparse.Namespace) -> int:
-    """Starts the job's ranks and watches them; their exit status."""
+    """Starts the job's ranks, hosts their store (the side channel: it outlives
+    any rank) and watches them; 0 when every check passed."""
+    import torch.distributed as dist
+
     world = args.device_ranks + args.cpu_ranks
     fake_mlus = max(2, args.device_ranks)
     run_dir = tempfile.mkdtemp(prefix="kaitian-device-check-")
-    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpu_ids = visible.split(",") if visible else [str(i) for i in range(args.gpus)]
     procs = []
@@ -861,22 +1052,30 @@ def _launch(args: argparse.Namespace) -> int:
                 env.update(KAITIAN_DEVICE_TYPE="cpu", KAITIAN_DEVICE_INDEX=str(rank), KAITIAN_GROUP="cpu",
                            CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
             cmd = [sys.executable, os.path.abspath(__file__), "--_worker", "--rank", str(rank),
-                   "--world-size", str(world), "--init-method", f"tcp://127.0.0.1:{port}",
+                   "--world-size", str(world), "--store-port", str(store.port),
+                   "--check-timeout", str(args.check_timeout),
                    "--device-ranks", str(args.device_ranks),
                    "--sizes", ",".join(map(str, args.sizes)), "--iters", str(args.iters),
                    "--big-mib", str(args.big_mib), "--phases", ",".join(args.phases)]
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         deadline = time.monotonic() + sum(PHASES[p] for p in args.phases) + 60
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for rank, p in enumerate(procs):  # the ranks stop waiting for one that exited
+                if p.poll() is not None and not store.check([f"exited/{rank}"]):
+                    store.set(f"exited/{rank}", str(p.returncode))
             time.sleep(0.2)
         codes = [p.poll() for p in procs]
+        failed, count = _summary(store, args.phases)
+        stopped = [f"{phase} stopped on rank {q}" for phase in args.phases for q in range(world)
+                   if store.check([f"stopped/{phase}/{q}"])]
+        print(f"cuda_check: {count} checks, {count - len(failed)} passed, {len(failed)} failed"
+              + "".join(f"\nFAILED  {line}" for line in failed + stopped), flush=True)
         if any(c is None for c in codes):
             print(f"FAIL  job: ranks still running after every phase's watchdog; exit codes {codes}", flush=True)
             return 1
-        if any(codes):
-            print(f"FAIL  job: rank exit codes {codes} (a watchdog or a failed check)", flush=True)
-            return 1
-        return 0
+        if any(codes) and not (failed or stopped):
+            print(f"FAIL  job: rank exit codes {codes} (a watchdog)", flush=True)
+        return 1 if any(codes) or failed or stopped else 0
     finally:
         for p in procs:
             if p.poll() is None:
@@ -956,11 +1155,14 @@ def main(argv=None) -> int:
     ap.add_argument("--big-mib", type=int, default=100, help="the largest reduction of the sizes phase, MiB")
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20, help="KAITIAN_CHUNK_BYTES of the job")
     ap.add_argument("--bridge", choices=("auto", "shm", "tcp"), default="auto", help="KAITIAN_BRIDGE of the job")
-    ap.add_argument("--phases", default=",".join(PHASES), help="phases to run, in order (default: all)")
+    ap.add_argument("--phases", default=",".join(p for p in PHASES if p != "harness"),
+                    help="phases to run, in order (default: all; harness: the checks' own test, first)")
+    ap.add_argument("--check-timeout", type=float, default=60.0,
+                    help="seconds a check may take before it counts as hung (its groups' timeout too)")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--world-size", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--init-method", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
     args.phases = [p for p in args.phases.split(",") if p]

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <thread>
@@ -45,6 +46,12 @@ struct FStream {
   uint64_t last() { std::lock_guard<std::mutex> g(m); return enqueued; }
   bool done(uint64_t seq) { std::lock_guard<std::mutex> g(m); return completed >= seq; }
   void wait(uint64_t seq) {
+    // Without the GIL: a worker frees what its last task captured under the GIL
+    // (see Exit) before it starts the next one, so a host thread that waited
+    // holding it (a blocking copy, torch.load onto the device) would wait for
+    // ever. A GPU needs no Python to progress; the fake must not either.
+    std::optional<pybind11::gil_scoped_release> no_gil;
+    if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
     std::unique_lock<std::mutex> l(m);
     cv.wait(l, [&] { return completed >= seq; });
   }

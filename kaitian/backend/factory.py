@@ -28,7 +28,7 @@ from kaitian.backend import groups as _layout
 from kaitian.backend import shm_gc
 from kaitian.settings import Settings, settings
 from kaitian.devices.vendors import VENDORS, intra_gaps
-from kaitian.errors import BackendSetupError, KaitianError, VersionMismatchError
+from kaitian.errors import BackendSetupError, VersionMismatchError
 from kaitian.version import versions
 
 __all__ = ["create_kaitian_backend", "BackendSetupError", "vendor_timeout"]
@@ -151,9 +151,9 @@ def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout:
         options = _te.vendor_options(vendor_class.Options(), vendor_timeout(timeout), members, group_name)
         pg = vendor_class(store, group_rank, group_size, options)
         if name == "nccl":
-            from kaitian.devices.rank import rank_device, torch_device_of
+            from kaitian.devices.rank import device
 
-            _te.nccl_connect_now(pg, torch.device(torch_device_of(rank_device())))
+            _te.nccl_connect_now(pg, device())
         return pg
     plugin = _te.backend_plugins().get(name.upper())
     if plugin is None:
@@ -167,16 +167,10 @@ def _vendor_backend(name: str, store, group_rank: int, group_size: int, timeout:
 
 
 def _rank_torch_device(me: _layout.RankInfo) -> Optional[torch.device]:
-    """This rank's accelerator as torch names it (a barrier orders it); ``None`` on
-    a CPU rank, or while torch does not know the device type (plug-in not loaded)."""
-    from kaitian.devices.rank import torch_device_of
+    """This rank's accelerator as torch names it (a barrier orders it); ``None`` on a CPU rank."""
+    from kaitian.devices.rank import device
 
-    if me.device.type == "cpu":
-        return None
-    try:
-        return torch.device(torch_device_of(me.device))
-    except (RuntimeError, KaitianError):
-        return None
+    return None if me.device.type == "cpu" else device()
 
 
 def _check_agent_version(s: Settings) -> None:

@@ -77,7 +77,9 @@ def rank_device(env: Optional[Mapping[str, str]] = None, rank: Optional[int] = N
 
 
 def torch_device_of(dev: WorkerDevice, env: Optional[Mapping[str, str]] = None) -> str:
-    """The torch device string for a device given by physical index, as this process sees it.
+    """The torch device string for a device given by physical index (an inventory's,
+    the launcher's), as this process sees it. A rank's own device is :func:`device`'s:
+    one inferred under plain ``torchrun`` carries torch's ordinal, not a physical index.
 
     Raises:
         DeviceSelectionError: this process cannot see the device.
@@ -94,7 +96,9 @@ def device_type() -> str:
 
 
 def _torch_index(rank: Optional[int] = None) -> Optional[int]:
-    """This rank's torch ordinal (``None`` on the CPU)."""
+    """This rank's torch ordinal (``None`` on the CPU): the one place that decides
+    which kind of index the rank's device carries (the launcher's: physical;
+    inferred: torch's ordinal already)."""
     env = os.environ
     dev = rank_device(env, rank)
     if dev.type == "cpu":

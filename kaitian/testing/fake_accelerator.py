@@ -157,6 +157,21 @@ def _device_module(name: str) -> types.ModuleType:
     def stream(s) -> _StreamContext:
         return _StreamContext(s)
 
+    class device:
+        """``with torch.mlu.device(i):`` device ``i`` is current inside (``torch.load``'s
+        ``map_location`` uses it, as ``torch.cuda.device``)."""
+
+        def __init__(self, device):
+            self.index = -1 if device is None or device == -1 else _dev(device).index
+
+        def __enter__(self):
+            self.prev = current_device()
+            if self.index >= 0:
+                set_device(self.index)
+
+        def __exit__(self, *exc):
+            set_device(self.prev)
+
     def synchronize(device=None) -> None:
         torch.accelerator.synchronize(_dev(device))
 
@@ -170,7 +185,7 @@ def _device_module(name: str) -> types.ModuleType:
     for f in (is_available, device_count, current_device, set_device, current_stream, default_stream,
               set_stream, stream, synchronize, manual_seed, get_amp_supported_dtype):
         setattr(mod, f.__name__, f)
-    mod.Stream, mod.Event, mod.StreamContext = Stream, Event, _StreamContext
+    mod.Stream, mod.Event, mod.StreamContext, mod.device = Stream, Event, _StreamContext, device
     mod.manual_seed_all = manual_seed
     mod.is_initialized = lambda: True
     mod._is_in_bad_fork = lambda: False

@@ -3,19 +3,26 @@ the GPU check run on fake MLUs beside CPU ranks, one job per layout whose output
 each test reads, phase by phase (see the script's docstring for what each phase
 checks):
 
-- one fake MLU rank (alone in its group) + two CPU ranks: every phase;
-- two fake MLU ranks (one fake-CNCL group) + one CPU rank: every phase;
+- one fake MLU rank (alone in its group) + two CPU ranks: every phase, as the
+  device part of the lease command's dry run (``scripts/lease_check.py
+  --dry-run``: every part of a GPU lease, on the fake MLU, smaller);
+- two fake MLU ranks (one fake-CNCL group) + one CPU rank: every phase, after
+  the harness's own test (checks that fail or hang on one rank, a phase
+  stopped on one rank: each costs itself alone, and every phase after it passes);
 - two fake MLU ranks and nothing else (the vendor alone runs each op): the
   ops, staging and fail-stop phases; fail-stop again over the TCP bridge.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,21 +33,39 @@ pytest.importorskip("kaitian.testing._fake_accelerator", reason="the fake accele
 # checks each phase reports (a phase that silently skips one fails too)
 CHECKS = {"ops": 80, "sizes": 9, "streams": 4, "memory": 6, "training": 6, "clock": 6, "failstop": 5,
           "kaitianrun": 1}
-# layout -> (device ranks, CPU ranks, phases, bridge)
-LAYOUTS = {"1+2": (1, 2, "", "auto"), "2+1": (2, 1, "", "auto"), "2+0": (2, 0, "ops,memory,failstop", "auto"),
-           "2+0 tcp": (2, 0, "failstop", "tcp")}
+# layout -> (device ranks, CPU ranks, phases, bridge); 1+2 is the lease dry run's
+EVERY = "ops,sizes,streams,memory,training,clock,failstop"
+LAYOUTS = {"2+1": (2, 1, f"harness,{EVERY}", "auto"),
+           "2+0": (2, 0, "ops,memory,failstop", "auto"), "2+0 tcp": (2, 0, "failstop", "tcp")}
 # a world of two has no rank 2 to broadcast from (one check per broadcast dtype)
 FEWER = {("2+0", "ops"): 4}
+# the lease command's parts, in order, on the fake MLU
+LEASE_PARTS = ["build", "device", "lightning", "accelerate", "hf_trainer", "demo 64", "rejoin", "copy", "collectives 4"]
+LEASE_SKIPPED = {"build", "lightning", "accelerate"}  # built already; one trainer in a dry run
+
+
+@functools.lru_cache(maxsize=None)
+def _lease() -> tuple:
+    """``scripts/lease_check.py --dry-run``: its run and its folder of logs (removed at exit)."""
+    out = tempfile.mkdtemp(prefix="kaitian-lease-dry-run-")
+    atexit.register(shutil.rmtree, out, True)
+    run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "lease_check.py"), "--dry-run", "--out", out],
+                         env=repo_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
+    return run, out
 
 
 @functools.lru_cache(maxsize=None)
 def _run(layout: str) -> subprocess.CompletedProcess:
+    if layout == "1+2":  # the lease's device part: its log is the check's output
+        lease, out = _lease()
+        with open(os.path.join(out, "device.log")) as f:
+            log = f.read()
+        return subprocess.CompletedProcess(lease.args, 0 if "all checks passed" in log else 1, log, lease.stdout)
     devices, cpus, phases, bridge = LAYOUTS[layout]
     # no bandwidth table; 20 MiB reductions still span two 16 MiB segments
     cmd = [sys.executable, os.path.join(REPO, "scripts", "cuda_check.py"), "--device", "mlu", "--sizes", "",
-           "--big-mib", "20", "--device-ranks", str(devices), "--cpu-ranks", str(cpus), "--bridge", bridge]
-    if phases:
-        cmd += ["--phases", phases]
+           "--big-mib", "20", "--device-ranks", str(devices), "--cpu-ranks", str(cpus), "--bridge", bridge,
+           "--phases", phases]
     return subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
@@ -87,8 +112,46 @@ def test_the_vendor_alone_stages_nothing_and_fails_stop() -> None:
     _phase("2+0 tcp", "failstop")
 
 
+# the harness's checks that fail (rank 0 fails while the others wait in gloo, then in
+# kaitian; the last rank hangs; the last rank stops the phase before its last check)
+HARNESS_FAILS = ["fails on rank 0 alone, the others wait for it in gloo",
+                 "fails on rank 0 alone, the others wait for it in kaitian", "hangs on the last rank alone",
+                 "the other ranks go on after the last one stopped this phase"]
+
+
+def test_a_check_failing_or_hanging_on_one_rank_costs_itself_alone() -> None:
+    run = _run("2+1")
+    lines = dict((check, verdict) for verdict, check in re.findall(r"^(PASS|FAIL)  harness: (.*?)(?:  \(.*)?$",
+                                                                    run.stdout, re.M))
+    assert lines == {**{name: "FAIL" for name in HARNESS_FAILS}, "collectives on every group after them": "PASS"}, \
+        f"{lines}\n{run.stdout[-6000:]}\n{run.stderr[-4000:]}"
+    assert re.search(r"FAIL  harness: fails on rank 0 alone, the others wait for it in gloo  \(rank 0: ValueError",
+                     run.stdout), run.stdout[-3000:]
+    assert re.search(r"FAIL  harness: hangs on the last rank alone  \(rank 2: hung", run.stdout), run.stdout[-3000:]
+    failed = re.findall(r"^FAILED  (.*)$", run.stdout, re.M)  # the summary
+    assert failed == [f"harness: {name}" for name in HARNESS_FAILS] + ["harness stopped on rank 2"], \
+        f"{failed}\n{run.stdout[-3000:]}"
+    assert run.returncode == 1 and "FAILED in" in run.stdout, run.stdout[-3000:]
+
+
 @pytest.mark.parametrize("layout", ["1+2", "2+1", "2+0", "2+0 tcp"])
 def test_kaitianrun_nproc_auto_and_the_whole_check_passes(layout: str) -> None:
     _phase(layout, "kaitianrun")
+    if layout == "2+1":  # the harness's failures are its own test's
+        return
     run = _run(layout)
     assert run.returncode == 0 and "all checks passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_the_lease_command_dry_runs_on_the_fake_mlu() -> None:
+    """Every part of a GPU lease ran on the fake MLU and passed (the build is skipped: CI
+    built the extension; one trainer of three), each said what it measured (the
+    device's worker rejoined), and the summary is in the logs' folder."""
+    run, out = _lease()
+    lines = re.findall(r"^(PASS|FAIL|SKIP) +(\S+(?: \d+)?) +\d+ s  (.*)$", run.stdout, re.M)
+    parts = {name: (verdict, note) for verdict, name, note in lines}
+    assert run.returncode == 0 and list(parts) == LEASE_PARTS, run.stdout[-4000:] + run.stderr[-3000:]
+    assert all(verdict == ("SKIP" if p in LEASE_SKIPPED else "PASS") for p, (verdict, _) in parts.items()), parts
+    assert "ratio" in parts["demo 64"][1] and "rejoined" in parts["rejoin"][1], parts
+    assert re.search(r"bridge all_reduce 4 MiB busbw [\d.]+ GB/s = [\d.]+x the slower copy", parts["copy"][1]), parts
+    assert open(os.path.join(out, "summary.txt")).read() in run.stdout

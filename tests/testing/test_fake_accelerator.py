@@ -194,3 +194,21 @@ def test_streams_come_from_a_pool_as_cudas_do():
 @pytest.mark.parametrize("visible,count", [("1", 1), ("1,0", 2), ("", 0)])
 def test_visible_devices(visible, count):
     assert run("print(torch.mlu.device_count())", {"MLU_VISIBLE_DEVICES": visible}) == str(count)
+
+
+def test_torch_load_onto_a_device():
+    """``torch.load(map_location="mlu:1")`` (an elastic joiner loads the state it is sent so)
+    makes the device current while it copies (``torch.mlu.device``), and a copy that waits
+    for its stream while holding the GIL completes (the stream's worker frees the last
+    copy's tensors under the GIL: it deadlocked a joiner)."""
+    out = run("""
+        import io
+        buf = io.BytesIO()
+        torch.save({f"w{i}": torch.arange(4.0) + i for i in range(16)}, buf)
+        for _ in range(20):
+            buf.seek(0)
+            state = torch.load(buf, map_location="mlu:1", weights_only=True)
+        w = state["w3"]
+        print(w.device, w.cpu().tolist(), torch.mlu.current_device())
+    """)
+    assert out == "mlu:1 [3.0, 4.0, 5.0, 6.0] 0"

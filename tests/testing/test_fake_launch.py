@@ -74,3 +74,18 @@ def test_a_malformed_value_is_one_line_and_a_real_torch_mlu_wins(tmp_path):
     assert real.returncode == 0, real.stderr
     assert real.stdout.split("\n")[0] == "False []"
     assert real.stderr.strip() == "kaitian: KAITIAN_FAKE_ACCELERATOR is ignored: a real torch_mlu is installed"
+
+
+def test_plain_torchrun_ranks_on_two_of_four_mlus_use_torchs_ordinals():
+    """Under plain torchrun nothing names a physical index: with MLU_VISIBLE_DEVICES=2,3
+    local rank 1 computes on mlu:1 (physical MLU 3), and the backend's device for it
+    (the layout's, NCCL's eager connect) is that ordinal, not physical MLU 1 (hidden)."""
+    probe = ("import kaitian, torch\n"
+             "from kaitian.backend import factory, groups\n"
+             "from kaitian.settings import settings\n"
+             "me = groups.local_rank_info(1, settings())\n"
+             "print(kaitian.device(), factory._rank_torch_device(me))\n")
+    proc = _run(["-c", probe], KAITIAN_FAKE_ACCELERATOR="mlu:4", MLU_VISIBLE_DEVICES="2,3", LOCAL_RANK="1",
+                RANK="1", WORLD_SIZE="2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["mlu:1", "mlu:1"], proc.stdout + proc.stderr[-2000:]

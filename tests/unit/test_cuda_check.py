@@ -1,0 +1,54 @@
+"""``scripts/cuda_check.py``'s gloo PowerSGD reference in a process that sees a GPU.
+
+torch's PowerSGD hook synchronizes CUDA for the bucket's device whenever CUDA is
+available, a CPU bucket's too: on the first GPU run the reference over gloo
+raised on the CUDA rank alone. Here CUDA is made to look available (on a CPU
+build ``torch.cuda.synchronize`` then raises for any device, as it does for a
+CPU device on a GPU machine): the reference trains under the check's guard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from support import REPO
+
+
+def _cuda_check():
+    spec = importlib.util.spec_from_file_location("cuda_check", os.path.join(REPO, "scripts", "cuda_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _train_powersgd(check) -> None:
+    model = DistributedDataParallel(check._model())
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        random_seed=0)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    check._train(model, check._batches(1, 4), 0, torch.nn.functional.cross_entropy, "cpu")
+
+
+def test_powersgd_reference_on_cpu_buckets_where_cuda_is_available(gloo_world, monkeypatch) -> None:
+    check = _cuda_check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if not torch.cuda.device_count():  # a CPU build: the hook's sync raises, as for a CPU device on a GPU host
+        with pytest.raises(Exception):
+            _train_powersgd(check)
+    with check.cpu_buckets_beside_cuda():
+        _train_powersgd(check)
+    assert torch.cuda.synchronize.__module__ == "torch.cuda", "the guard left its patch behind"
