@@ -85,6 +85,8 @@ class ShmBridge : public Bridge {
   void beginCall(const Deadline& dl);
   void publishRound(uint64_t t, Kind kind, const Deadline& dl);
   void checkRound(int peer, uint64_t t, Kind kind, const Deadline& dl);
+  // Waits until every peer is done with round t's slot's previous use.
+  void awaitSlot(uint64_t t, const Deadline& dl);
   uint64_t beginRound(const Deadline& dl);
   void endRound(uint64_t t);
   void heartbeatLoop();
@@ -100,6 +102,7 @@ class ShmBridge : public Bridge {
   uint64_t calls_ = 0;  // collective bridge calls done; identical on every rank
   uint64_t publishedSeq_ = 0;  // the collective last published in our header
   int64_t spinMicros_;  // spin before sleeping on a futex (KAITIAN_SPIN_US)
+  bool oversubscribed_;  // more ranks on this host than cores we may use: yield, do not spin
   std::chrono::milliseconds deadAfter_;  // a heartbeat this old means dead
   std::mutex beatMu_;
   std::vector<Beat> beats_;
