@@ -195,6 +195,32 @@ OpId opId(OpType type, const std::vector<at::Tensor>& ts, int64_t root, const Re
   return opId(type, ts, root, static_cast<int32_t>(op.op_));
 }
 
+// Part `i` of [0, total) when it is split in proportion to `weights`.
+Range weightedPart(int64_t total, const std::vector<int64_t>& weights, size_t i) {
+  int64_t sum = 0, before = 0;
+  for (size_t r = 0; r < weights.size(); ++r) {
+    sum += weights[r];
+    if (r < i) before += weights[r];
+  }
+  auto at = [&](int64_t w) {
+    return static_cast<int64_t>(static_cast<__int128>(total) * w / sum);
+  };
+  return Range{at(before), at(before + weights[i])};
+}
+
+// OpId::stripes of an all_reduce with these stripe weights: 0 when even.
+uint32_t stripeDigest(const std::vector<int64_t>& weights) {
+  if (weights.empty()) return 0;
+  uint32_t h = 2166136261u;  // FNV-1a over the weights' bytes
+  for (int64_t w : weights) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= static_cast<uint8_t>(static_cast<uint64_t>(w) >> (8 * b));
+      h *= 16777619u;
+    }
+  }
+  return h == 0 ? 1 : h;
+}
+
 // The text of the error an op body threw.
 std::string errorText(const std::exception_ptr& e) {
   try {
@@ -527,8 +553,35 @@ bool KaitianBackend::groupUsesVendor(int group, at::ScalarType dtype,
   return !op || std::find(gaps.ops.begin(), gaps.ops.end(), *op) == gaps.ops.end();
 }
 
+void KaitianBackend::setStripeWeights(std::vector<int64_t> weights) {
+  const int W = getSize();
+  TORCH_CHECK_VALUE(weights.empty() || static_cast<int>(weights.size()) == W,
+                    "kaitian set_stripe_weights: ", weights.size(), " weights for ", W,
+                    " ranks; give one per rank (or none for even stripes)");
+  constexpr int64_t kMaxWeight = int64_t{1} << 30;
+  int64_t sum = 0;
+  for (size_t r = 0; r < weights.size(); ++r) {
+    TORCH_CHECK_VALUE(weights[r] >= 0 && weights[r] <= kMaxWeight, "kaitian set_stripe_weights: ",
+                      "rank ", r, "'s weight ", weights[r], " is outside [0, ", kMaxWeight, "]");
+    sum += weights[r];
+  }
+  TORCH_CHECK_VALUE(weights.empty() || sum > 0,
+                    "kaitian set_stripe_weights: every weight is 0; some rank must reduce");
+  std::lock_guard<std::mutex> lock(stripeMu_);
+  stripeWeights_ = std::move(weights);
+}
+
+std::vector<int64_t> KaitianBackend::stripeWeights() const {
+  std::lock_guard<std::mutex> lock(stripeMu_);
+  return stripeWeights_;
+}
+
+std::pair<int64_t, double> KaitianBackend::reduceRate() const {
+  return {meter_.elements.load(), static_cast<double>(meter_.nanos.load()) / 1e9};
+}
+
 void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<Range> stripes,
-                                bool gather, const Deadline& dl) {
+                                bool gather, const Deadline& dl, const std::vector<int64_t>& weights) {
   const auto dtype = flat.scalar_type();
   const int W = getSize(), me = getRank();
   const int G = static_cast<int>(layout_.groupNames.size());
@@ -572,7 +625,7 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     }
     return;
   }
-  Reducer reducer{base, dtype, W};
+  Reducer reducer{base, dtype, W, &meter_};
   const int64_t n = flat.numel();
   const int64_t segElems = std::max<int64_t>(1, layout_.segmentBytes / flat.element_size());
   // The bridge call of the segment at `begin` on `buf`; identical segmentation on every rank.
@@ -581,7 +634,7 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     std::vector<Range> st(W);
     for (int r = 0; r < W; ++r) {
       if (stripes.empty()) {
-        st[r] = evenPart(seg.size(), W, r);
+        st[r] = weights.empty() ? evenPart(seg.size(), W, r) : weightedPart(seg.size(), weights, r);
       } else {
         const Range x = stripes[r].intersect(seg);
         st[r] = x.size() > 0 ? Range{x.begin - begin, x.end - begin} : Range{0, 0};
@@ -731,11 +784,14 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>
               " is not supported; use a dense (strided) or sparse COO tensor");
   checkReduceSupported("allreduce", opts.reduceOp.op_, t.scalar_type());
   const RedOp op = opts.reduceOp;
-  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", opId(OpType::ALLREDUCE, t, -1, op),
-                 tensors, tensors, opts.timeout, [this, t, op](const Deadline& dl) mutable {
+  auto weights = stripeWeights();
+  OpId id = opId(OpType::ALLREDUCE, t, -1, op);
+  id.stripes = stripeDigest(weights);
+  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", id,
+                 tensors, tensors, opts.timeout, [this, t, op, weights](const Deadline& dl) mutable {
                    if (t.numel() == 0) return meetEmpty(dl);
                    at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
-                   reduceFlat(flat, op, {}, true, dl);
+                   reduceFlat(flat, op, {}, true, dl, weights);
                    if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
                    return -1;
                  });
@@ -800,14 +856,16 @@ c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
   }
   const RedOp op = opts.reduceOp;
   auto ts = tensors;
-  return enqueue(*collectives_, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced",
-                 opId(OpType::ALLREDUCE_COALESCED, tensors, -1, op), tensors, tensors,
-                 opts.timeout, [this, ts, op](const Deadline& dl) mutable {
+  auto weights = stripeWeights();
+  OpId id = opId(OpType::ALLREDUCE_COALESCED, tensors, -1, op);
+  id.stripes = stripeDigest(weights);
+  return enqueue(*collectives_, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", id, tensors,
+                 tensors, opts.timeout, [this, ts, op, weights](const Deadline& dl) mutable {
                    std::vector<at::Tensor> flats;
                    for (auto& t : ts) flats.push_back(t.reshape({-1}));
                    at::Tensor flat = at::cat(flats);
                    if (flat.numel() == 0) return meetEmpty(dl);
-                   reduceFlat(flat, op, {}, true, dl);
+                   reduceFlat(flat, op, {}, true, dl, weights);
                    int64_t off = 0;
                    for (auto& t : ts) {
                      t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));

@@ -106,6 +106,14 @@ class KaitianBackend : public c10d::Backend {
   bool hasIntra() const { return intraDevice_.defined() || intraCpu_.defined(); }
   // The first failure once the group is broken, else "".
   std::string firstFailure() const { return fail_.broken() ? fail_.first() : ""; }
+  // From the next all_reduce this rank issues on, rank r reduces weights[r] /
+  // sum(weights) of every segment (empty: even stripes). Every rank must set
+  // the same weights before the same collective: their digest is part of the
+  // op's identity, so ranks that disagree fail that collective on every rank.
+  void setStripeWeights(std::vector<int64_t> weights);
+  std::vector<int64_t> stripeWeights() const;
+  // Elements this rank reduced on the host so far, and the seconds that took.
+  std::pair<int64_t, double> reduceRate() const;
 
  private:
   using Body = std::function<int(const Deadline&)>;  // returns the source rank (recv) or -1
@@ -123,9 +131,10 @@ class KaitianBackend : public c10d::Backend {
   // inside groups that use their vendor, then the bridge across source groups,
   // segment by segment (device tensors: copies of the next segment overlap the
   // bridge work on this one). Rank r ends up with stripes[r] reduced (every
-  // stripe when `gather`); empty `stripes` means an even split of each segment.
+  // stripe when `gather`); empty `stripes` splits each segment in proportion
+  // to `weights` (empty: evenly).
   void reduceFlat(at::Tensor& flat, const c10d::ReduceOp& op, std::vector<Range> stripes,
-                  bool gather, const Deadline& dl);
+                  bool gather, const Deadline& dl, const std::vector<int64_t>& weights = {});
   // Whether `group` reduces `dtype` with `op` (data movement: no op) through its
   // vendor; the same answer on every rank (layout and table only).
   bool groupUsesVendor(int group, at::ScalarType dtype,
@@ -182,6 +191,9 @@ class KaitianBackend : public c10d::Backend {
   // Used only by the collectives thread; one per device (events belong to one).
   std::unordered_map<c10::Device, std::unique_ptr<PinnedRing>> rings_;
   std::atomic<int64_t> stagedIn_{0}, stagedOut_{0};  // see stagedBytes()
+  ReduceMeter meter_;  // see reduceRate()
+  mutable std::mutex stripeMu_;
+  std::vector<int64_t> stripeWeights_;  // see setStripeWeights(); empty: even
   struct Gaps {
     std::vector<at::ScalarType> dtypes;
     std::vector<c10d::ReduceOp::RedOpType> ops;

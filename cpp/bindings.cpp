@@ -112,6 +112,10 @@ PYBIND11_MODULE(_C, m) {
       // The group's first failure once it is broken, else "" (kaitian.elastic tells a
       // lost peer from a script error by it).
       .def("first_failure", &KaitianBackend::firstFailure)
+      // Stripe weights of the cross-group reduction (kaitian.backend.stripes).
+      .def("set_stripe_weights", &KaitianBackend::setStripeWeights, py::arg("weights"))
+      .def("stripe_weights", &KaitianBackend::stripeWeights)
+      .def("reduce_rate", &KaitianBackend::reduceRate)
       .def("kaitian_shutdown", &KaitianBackend::shutdown,
            py::call_guard<py::gil_scoped_release>())
 #if !KAITIAN_BACKEND_HAS_SET_TIMEOUT  // torch < 2.9 binds no Backend.set_timeout
