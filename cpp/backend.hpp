@@ -163,8 +163,35 @@ class KaitianBackend : public c10d::Backend {
   // A collective's argument check failed on this rank alone, while its peers
   // are, or will be, waiting for it in that collective: breaks the group
   // (fail-stop) so that they raise at once naming this rank and the error, and
-  // rethrows the error to the caller. Called from the collectives' catch blocks.
+  // rethrows the error to the caller. Called by collective().
   [[noreturn]] void breakOnLocalError(const char* op);
+  // What a collective queues once its arguments are checked (see enqueue).
+  struct Call {
+    c10d::OpType type;
+    OpId id;
+    std::vector<at::Tensor> outputs, deviceTensors;
+    std::chrono::milliseconds timeout;
+    Body body;
+    std::optional<c10::Device> device = std::nullopt;
+  };
+  // Every collective's frame: `check` validates the arguments on the caller's
+  // thread and returns the op, which is queued on the collectives thread; an
+  // argument error breaks the group (breakOnLocalError) and reaches the caller.
+  template <typename Check>
+  c10::intrusive_ptr<c10d::Work> collective(const char* name, Check check) {
+    try {
+      Call c = check();
+      return enqueue(*collectives_, c.type, name, c.id, std::move(c.outputs),
+                     std::move(c.deviceTensors), c.timeout, std::move(c.body), c.device);
+    } catch (...) {
+      breakOnLocalError(name);
+    }
+  }
+  // The root's list of one tensor per rank like `like` (gather_list,
+  // scatter_list; `lists` says what they are); the other ranks must pass none.
+  std::vector<at::Tensor> rootList(const char* op, const char* list, const char* lists,
+                                   std::vector<std::vector<at::Tensor>>& given,
+                                   const at::Tensor& like, int root) const;
   // A 1-D copy of `t` in a buffer reused across calls (progress thread only).
   at::Tensor scratchCopy(const at::Tensor& t);
   void exchangeBytes(const uint8_t* blob, int64_t blobLen, std::vector<int64_t> sendOff,

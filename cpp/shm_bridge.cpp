@@ -165,23 +165,23 @@ int64_t ShmBridge::segmentBytes(int size, int64_t chunkBytes) {
   return headerBytes(size) + kSlots * 2 * chunk + size * mailboxFor(size, chunk);
 }
 
-ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                     const std::string& name, int64_t chunkBytes, std::vector<int64_t> pids,
-                     std::chrono::milliseconds timeout, int64_t spinMicros)
+ShmBridge::ShmBridge(int rank, int size, ShmBridgeOptions options,
+                     std::chrono::milliseconds timeout)
     : rank_(rank),
       size_(size),
-      pids_(std::move(pids)),
+      pids_(std::move(options.pids)),
       peers_(size),
-      spinMicros_(spinMicros),
+      spinMicros_(options.spinMicros),
       oversubscribed_(size > usableCores()),
       deadAfter_(std::clamp<std::chrono::milliseconds>(timeout / 4, std::chrono::seconds(2),
                                                        std::chrono::seconds(15))),
       beats_(size) {
-  chunk_ = chunkFor(size, chunkBytes);
+  chunk_ = chunkFor(size, options.chunkBytes);
   mailbox_ = mailboxFor(size, chunk_);
   dataOff_ = headerBytes(size);
-  segBytes_ = segmentBytes(size, chunkBytes);
-  myName_ = name;
+  segBytes_ = segmentBytes(size, options.chunkBytes);
+  myName_ = options.name;
+  const auto& store = options.store;
   TORCH_CHECK(myName_.rfind("/kaitian-", 0) == 0 && myName_.find('/', 1) == std::string::npos,
               "kaitian: bad shared memory name ", myName_);
   const uid_t me = ::geteuid();

@@ -21,16 +21,23 @@ namespace kaitian {
 struct ShmSegmentHeader;
 struct ShmEventWord;
 
+// The shared-memory bridge's options (the TCP bridge's are MeshOptions).
+struct ShmBridgeOptions {
+  c10::intrusive_ptr<c10d::Store> store;  // where peers meet (a FileStore in the run directory)
+  // This rank's segment name, unique and unguessable per process group
+  // instance (it carries the pid so a later start can collect it if this
+  // process is killed before unlinking).
+  std::string name;
+  int64_t chunkBytes = 1 << 20;
+  // Per rank: its pid when it shares our pid namespace, else -1 (its heartbeat
+  // tells whether it lives).
+  std::vector<int64_t> pids;
+  int64_t spinMicros = 50;  // spin before sleeping on a futex (KAITIAN_SPIN_US)
+};
+
 class ShmBridge : public Bridge {
  public:
-  // `store` is where peers meet (a FileStore in the run directory); `name` is this
-  // rank's segment name, unique and unguessable per process group instance (it
-  // carries the pid so a later start can collect it if this process is killed
-  // before unlinking); `pids[r]` is rank r's pid when it shares our pid
-  // namespace (else -1: its heartbeat tells whether it lives).
-  ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const std::string& name,
-            int64_t chunkBytes, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
-            int64_t spinMicros);
+  ShmBridge(int rank, int size, ShmBridgeOptions options, std::chrono::milliseconds timeout);
   ~ShmBridge() override;
 
   std::string kind() const override { return "shm"; }
