@@ -195,6 +195,32 @@ OpId opId(OpType type, const std::vector<at::Tensor>& ts, int64_t root, const Re
   return opId(type, ts, root, static_cast<int32_t>(op.op_));
 }
 
+// Part `i` of [0, total) when it is split in proportion to `weights`.
+Range weightedPart(int64_t total, const std::vector<int64_t>& weights, size_t i) {
+  int64_t sum = 0, before = 0;
+  for (size_t r = 0; r < weights.size(); ++r) {
+    sum += weights[r];
+    if (r < i) before += weights[r];
+  }
+  auto at = [&](int64_t w) {
+    return static_cast<int64_t>(static_cast<__int128>(total) * w / sum);
+  };
+  return Range{at(before), at(before + weights[i])};
+}
+
+// OpId::stripes of an all_reduce with these stripe weights: 0 when even.
+uint32_t stripeDigest(const std::vector<int64_t>& weights) {
+  if (weights.empty()) return 0;
+  uint32_t h = 2166136261u;  // FNV-1a over the weights' bytes
+  for (int64_t w : weights) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= static_cast<uint8_t>(static_cast<uint64_t>(w) >> (8 * b));
+      h *= 16777619u;
+    }
+  }
+  return h == 0 ? 1 : h;
+}
+
 // The text of the error an op body threw.
 std::string errorText(const std::exception_ptr& e) {
   try {
@@ -527,8 +553,36 @@ bool KaitianBackend::groupUsesVendor(int group, at::ScalarType dtype,
   return !op || std::find(gaps.ops.begin(), gaps.ops.end(), *op) == gaps.ops.end();
 }
 
+void KaitianBackend::setStripeWeights(std::vector<int64_t> weights) {
+  const int W = getSize();
+  TORCH_CHECK_VALUE(weights.empty() || static_cast<int>(weights.size()) == W,
+                    "kaitian set_stripe_weights: ", weights.size(), " weights for ", W,
+                    " ranks; give one per rank (or none for even stripes)");
+  constexpr int64_t kMaxWeight = int64_t{1} << 30;
+  int64_t sum = 0;
+  for (size_t r = 0; r < weights.size(); ++r) {
+    TORCH_CHECK_VALUE(weights[r] >= 0 && weights[r] <= kMaxWeight, "kaitian set_stripe_weights: ",
+                      "rank ", r, "'s weight ", weights[r], " is outside [0, ", kMaxWeight, "]");
+    sum += weights[r];
+  }
+  TORCH_CHECK_VALUE(weights.empty() || sum > 0,
+                    "kaitian set_stripe_weights: every weight is 0; some rank must reduce");
+  std::lock_guard<std::mutex> lock(stripeMu_);
+  stripeWeights_ = std::move(weights);
+}
+
+std::vector<int64_t> KaitianBackend::stripeWeights() const {
+  std::lock_guard<std::mutex> lock(stripeMu_);
+  return stripeWeights_;
+}
+
+std::pair<int64_t, double> KaitianBackend::reduceRate() const {
+  return {meter_.elements.load(), static_cast<double>(meter_.nanos.load()) / 1e9};
+}
+
 void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<Range> stripes,
-                                bool gather, const Deadline& dl) {
+                                bool gather, const Deadline& dl,
+                                const std::vector<int64_t>& weights) {
   const auto dtype = flat.scalar_type();
   const int W = getSize(), me = getRank();
   const int G = static_cast<int>(layout_.groupNames.size());
@@ -572,7 +626,7 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     }
     return;
   }
-  Reducer reducer{base, dtype, W};
+  Reducer reducer{base, dtype, W, &meter_};
   const int64_t n = flat.numel();
   const int64_t segElems = std::max<int64_t>(1, layout_.segmentBytes / flat.element_size());
   // The bridge call of the segment at `begin` on `buf`; identical segmentation on every rank.
@@ -581,7 +635,7 @@ void KaitianBackend::reduceFlat(at::Tensor& flat, const RedOp& op, std::vector<R
     std::vector<Range> st(W);
     for (int r = 0; r < W; ++r) {
       if (stripes.empty()) {
-        st[r] = evenPart(seg.size(), W, r);
+        st[r] = weights.empty() ? evenPart(seg.size(), W, r) : weightedPart(seg.size(), weights, r);
       } else {
         const Range x = stripes[r].intersect(seg);
         st[r] = x.size() > 0 ? Range{x.begin - begin, x.end - begin} : Range{0, 0};
@@ -678,6 +732,26 @@ void KaitianBackend::breakOnLocalError(const char* op) {
   std::rethrow_exception(error);
 }
 
+std::vector<at::Tensor> KaitianBackend::rootList(const char* op, const char* list,
+                                                 const char* lists,
+                                                 std::vector<std::vector<at::Tensor>>& given,
+                                                 const at::Tensor& like, int root) const {
+  const int W = getSize();
+  TORCH_CHECK(root >= 0 && root < W, "kaitian ", op, ": root ", root,
+              " is not a rank of this group");
+  if (getRank() != root) {
+    TORCH_CHECK(given.empty() || (given.size() == 1 && given[0].empty()),
+                "kaitian ", op, ": only the root (rank ", root, ") may pass a ", list);
+    return {};
+  }
+  checkOne((std::string(op) + " (" + lists + " on the root)").c_str(), given.size());
+  TORCH_CHECK(static_cast<int>(given[0].size()) == W, "kaitian ", op, ": the root's ", list,
+              " has ", given[0].size(), " tensors, expected one per rank (", W, ")");
+  const std::string entry = std::string("a ") + list + " entry";
+  for (const auto& t : given[0]) checkSameKind(op, like, t, like.numel(), entry.c_str());
+  return given[0];
+}
+
 void KaitianBackend::exchangeBytes(const uint8_t* blob, int64_t blobLen,
                                    std::vector<int64_t> sendOff, std::vector<int64_t> sendLen,
                                    std::vector<uint8_t*> recvPtr, std::vector<int64_t> recvLen,
@@ -723,286 +797,288 @@ void KaitianBackend::checkExchangePlan(const std::vector<int64_t>& sendLen,
 // ---------------------------------------------------------------- reductions
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce(std::vector<at::Tensor>& tensors,
-                                                         const c10d::AllreduceOptions& opts) try {
-  checkOne("allreduce", tensors.size());
-  at::Tensor t = tensors[0];
-  if (t.is_sparse()) return allreduceSparse(t, opts);
-  TORCH_CHECK(t.layout() == at::kStrided, "kaitian allreduce: layout ", t.layout(),
-              " is not supported; use a dense (strided) or sparse COO tensor");
-  checkReduceSupported("allreduce", opts.reduceOp.op_, t.scalar_type());
-  const RedOp op = opts.reduceOp;
-  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce", opId(OpType::ALLREDUCE, t, -1, op),
-                 tensors, tensors, opts.timeout, [this, t, op](const Deadline& dl) mutable {
-                   if (t.numel() == 0) return meetEmpty(dl);
-                   at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
-                   reduceFlat(flat, op, {}, true, dl);
-                   if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("allreduce");
+                                                         const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduceSparse(tensors[0], opts);
+  return collective("allreduce", [&]() -> Call {
+    checkOne("allreduce", tensors.size());
+    at::Tensor t = tensors[0];
+    TORCH_CHECK(t.layout() == at::kStrided, "kaitian allreduce: layout ", t.layout(),
+                " is not supported; use a dense (strided) or sparse COO tensor");
+    checkReduceSupported("allreduce", opts.reduceOp.op_, t.scalar_type());
+    const RedOp op = opts.reduceOp;
+    auto weights = stripeWeights();
+    OpId id = opId(OpType::ALLREDUCE, t, -1, op);
+    id.stripes = stripeDigest(weights);
+    return {OpType::ALLREDUCE, id,
+            tensors, tensors, opts.timeout, [this, t, op, weights](const Deadline& dl) mutable {
+              if (t.numel() == 0) return meetEmpty(dl);
+              at::Tensor flat = t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1});
+              reduceFlat(flat, op, {}, true, dl, weights);
+              if (!t.is_contiguous()) t.copy_(flat.view(t.sizes()));
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduceSparse(
     at::Tensor t, const c10d::AllreduceOptions& opts) {
-  TORCH_CHECK(opts.reduceOp.op_ == RedOp::SUM, "kaitian allreduce: sparse tensors support only "
-              "ReduceOp.SUM (got ", reduceOpName(opts.reduceOp.op_), "); densify with .to_dense()");
-  std::vector<at::Tensor> tensors{t};
-  return enqueue(*collectives_, OpType::ALLREDUCE, "allreduce",
-                 opId(OpType::_ALLREDUCE_SPARSE, t, -1, opts.reduceOp), tensors, tensors,
-                 opts.timeout, [this, t](const Deadline& dl) mutable {
-                   // Every rank gathers every rank's (indices, values); the sum is
-                   // the coalesced concatenation, identical everywhere.
-                   const int W = getSize();
-                   at::Tensor c = t.coalesce();
-                   at::Tensor idx = hostCopyOf(c._indices());
-                   at::Tensor val = hostCopyOf(c._values());
-                   const int64_t sparseDim = idx.size(0);
-                   int64_t nnz = val.size(0);
-                   std::vector<int64_t> counts(W, 0);
-                   std::vector<uint8_t*> rptr(W);
-                   for (int s = 0; s < W; ++s) rptr[s] = reinterpret_cast<uint8_t*>(&counts[s]);
-                   exchangeBytes(reinterpret_cast<uint8_t*>(&nnz), 8, std::vector<int64_t>(W, 0),
-                                 std::vector<int64_t>(W, 8), rptr, std::vector<int64_t>(W, 8), dl);
-                   std::vector<at::Tensor> idxs, vals;
-                   std::vector<int64_t> ilen(W), vlen(W);
-                   for (int s = 0; s < W; ++s) {
-                     idxs.push_back(at::empty({sparseDim, counts[s]}, idx.options()));
-                     auto shape = val.sizes().vec();
-                     shape[0] = counts[s];
-                     vals.push_back(at::empty(shape, val.options()));
-                     ilen[s] = nbytes(idxs[s]);
-                     vlen[s] = nbytes(vals[s]);
-                   }
-                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(idxs[s]);
-                   exchangeBytes(bytesOf(idx), nbytes(idx), std::vector<int64_t>(W, 0),
-                                 std::vector<int64_t>(W, nbytes(idx)), rptr, ilen, dl);
-                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(vals[s]);
-                   exchangeBytes(bytesOf(val), nbytes(val), std::vector<int64_t>(W, 0),
-                                 std::vector<int64_t>(W, nbytes(val)), rptr, vlen, dl);
-                   at::Tensor sum = at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0),
-                                                          t.sizes(), val.options().layout(at::kSparse))
-                                        .coalesce();
-                   t.copy_(sum.to(t.device()));
-                   return -1;
-                 });
+  return collective("allreduce", [&]() -> Call {
+    TORCH_CHECK(opts.reduceOp.op_ == RedOp::SUM, "kaitian allreduce: sparse tensors support only "
+                "ReduceOp.SUM (got ", reduceOpName(opts.reduceOp.op_), "); densify with .to_dense()");
+    std::vector<at::Tensor> tensors{t};
+    return {OpType::ALLREDUCE, opId(OpType::_ALLREDUCE_SPARSE, t, -1, opts.reduceOp), tensors,
+            tensors, opts.timeout, [this, t](const Deadline& dl) mutable {
+              // Every rank gathers every rank's (indices, values); the sum is
+              // the coalesced concatenation, identical everywhere.
+              const int W = getSize();
+              at::Tensor c = t.coalesce();
+              at::Tensor idx = hostCopyOf(c._indices());
+              at::Tensor val = hostCopyOf(c._values());
+              const int64_t sparseDim = idx.size(0);
+              int64_t nnz = val.size(0);
+              std::vector<int64_t> counts(W, 0);
+              std::vector<uint8_t*> rptr(W);
+              for (int s = 0; s < W; ++s) rptr[s] = reinterpret_cast<uint8_t*>(&counts[s]);
+              exchangeBytes(reinterpret_cast<uint8_t*>(&nnz), 8, std::vector<int64_t>(W, 0),
+                            std::vector<int64_t>(W, 8), rptr, std::vector<int64_t>(W, 8), dl);
+              std::vector<at::Tensor> idxs, vals;
+              std::vector<int64_t> ilen(W), vlen(W);
+              for (int s = 0; s < W; ++s) {
+                idxs.push_back(at::empty({sparseDim, counts[s]}, idx.options()));
+                auto shape = val.sizes().vec();
+                shape[0] = counts[s];
+                vals.push_back(at::empty(shape, val.options()));
+                ilen[s] = nbytes(idxs[s]);
+                vlen[s] = nbytes(vals[s]);
+              }
+              for (int s = 0; s < W; ++s) rptr[s] = bytesOf(idxs[s]);
+              exchangeBytes(bytesOf(idx), nbytes(idx), std::vector<int64_t>(W, 0),
+                            std::vector<int64_t>(W, nbytes(idx)), rptr, ilen, dl);
+              for (int s = 0; s < W; ++s) rptr[s] = bytesOf(vals[s]);
+              exchangeBytes(bytesOf(val), nbytes(val), std::vector<int64_t>(W, 0),
+                            std::vector<int64_t>(W, nbytes(val)), rptr, vlen, dl);
+              at::Tensor sum = at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0),
+                                                     t.sizes(), val.options().layout(at::kSparse))
+                                   .coalesce();
+              t.copy_(sum.to(t.device()));
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) try {
-  TORCH_CHECK(!tensors.empty(), "kaitian allreduce_coalesced: no tensors given");
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
-                "kaitian allreduce_coalesced: all tensors must share one dtype and device (got ",
-                t.scalar_type(), " on ", t.device(), " and ", tensors[0].scalar_type(), " on ",
-                tensors[0].device(), "); issue one call per dtype");
-    checkReduceSupported("allreduce_coalesced", opts.reduceOp.op_, t.scalar_type());
-  }
-  const RedOp op = opts.reduceOp;
-  auto ts = tensors;
-  return enqueue(*collectives_, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced",
-                 opId(OpType::ALLREDUCE_COALESCED, tensors, -1, op), tensors, tensors,
-                 opts.timeout, [this, ts, op](const Deadline& dl) mutable {
-                   std::vector<at::Tensor> flats;
-                   for (auto& t : ts) flats.push_back(t.reshape({-1}));
-                   at::Tensor flat = at::cat(flats);
-                   if (flat.numel() == 0) return meetEmpty(dl);
-                   reduceFlat(flat, op, {}, true, dl);
-                   int64_t off = 0;
-                   for (auto& t : ts) {
-                     t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
-                     off += t.numel();
-                   }
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("allreduce_coalesced");
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  return collective("allreduce_coalesced", [&]() -> Call {
+    TORCH_CHECK(!tensors.empty(), "kaitian allreduce_coalesced: no tensors given");
+    for (const auto& t : tensors) {
+      TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
+                  "kaitian allreduce_coalesced: all tensors must share one dtype and device (got ",
+                  t.scalar_type(), " on ", t.device(), " and ", tensors[0].scalar_type(), " on ",
+                  tensors[0].device(), "); issue one call per dtype");
+      checkReduceSupported("allreduce_coalesced", opts.reduceOp.op_, t.scalar_type());
+    }
+    const RedOp op = opts.reduceOp;
+    auto ts = tensors;
+    auto weights = stripeWeights();
+    OpId id = opId(OpType::ALLREDUCE_COALESCED, tensors, -1, op);
+    id.stripes = stripeDigest(weights);
+    return {OpType::ALLREDUCE_COALESCED, id, tensors,
+            tensors, opts.timeout, [this, ts, op, weights](const Deadline& dl) mutable {
+              std::vector<at::Tensor> flats;
+              for (auto& t : ts) flats.push_back(t.reshape({-1}));
+              at::Tensor flat = at::cat(flats);
+              if (flat.numel() == 0) return meetEmpty(dl);
+              reduceFlat(flat, op, {}, true, dl, weights);
+              int64_t off = 0;
+              for (auto& t : ts) {
+                t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+                off += t.numel();
+              }
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce(std::vector<at::Tensor>& tensors,
-                                                      const c10d::ReduceOptions& opts) try {
-  checkOne("reduce", tensors.size());
-  at::Tensor t = tensors[0];
-  checkReduceSupported("reduce", opts.reduceOp.op_, t.scalar_type());
-  const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK(root >= 0 && root < getSize(), "kaitian reduce: root ", root,
-              " is not a rank of this group of ", getSize());
-  const RedOp op = opts.reduceOp;
-  return enqueue(*collectives_, OpType::REDUCE, "reduce", opId(OpType::REDUCE, t, root, op),
-                 tensors, tensors, opts.timeout,
-                 [this, t, op, root](const Deadline& dl) mutable {
-                   if (t.numel() == 0) return meetEmpty(dl);
-                   if (auto vendor = soleVendor({t}, op.op_)) {
-                     std::vector<at::Tensor> v{t};
-                     c10d::ReduceOptions o;
-                     o.reduceOp = op;
-                     o.rootRank = root;
-                     o.timeout = dl.timeout;
-                     runVendor(vendor, [&] { return vendor->reduce(v, o); }, t.device(), dl);
-                     return -1;
-                   }
-                   const bool isRoot = getRank() == root;
-                   // Non-roots keep their input: reduce a copy.
-                   at::Tensor flat = (isRoot && t.is_contiguous()) ? t.view({-1})
-                                                                   : scratchCopy(t);
-                   std::vector<Range> stripes(getSize());
-                   stripes[root] = Range{0, flat.numel()};
-                   reduceFlat(flat, op, stripes, false, dl);
-                   if (isRoot && flat.data_ptr() != t.data_ptr()) t.copy_(flat.view(t.sizes()));
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("reduce");
+                                                      const c10d::ReduceOptions& opts) {
+  return collective("reduce", [&]() -> Call {
+    checkOne("reduce", tensors.size());
+    at::Tensor t = tensors[0];
+    checkReduceSupported("reduce", opts.reduceOp.op_, t.scalar_type());
+    const int root = static_cast<int>(opts.rootRank);
+    TORCH_CHECK(root >= 0 && root < getSize(), "kaitian reduce: root ", root,
+                " is not a rank of this group of ", getSize());
+    const RedOp op = opts.reduceOp;
+    return {OpType::REDUCE, opId(OpType::REDUCE, t, root, op),
+            tensors, tensors, opts.timeout,
+            [this, t, op, root](const Deadline& dl) mutable {
+              if (t.numel() == 0) return meetEmpty(dl);
+              if (auto vendor = soleVendor({t}, op.op_)) {
+                std::vector<at::Tensor> v{t};
+                c10d::ReduceOptions o;
+                o.reduceOp = op;
+                o.rootRank = root;
+                o.timeout = dl.timeout;
+                runVendor(vendor, [&] { return vendor->reduce(v, o); }, t.device(), dl);
+                return -1;
+              }
+              const bool isRoot = getRank() == root;
+              // Non-roots keep their input: reduce a copy.
+              at::Tensor flat = (isRoot && t.is_contiguous()) ? t.view({-1})
+                                                              : scratchCopy(t);
+              std::vector<Range> stripes(getSize());
+              stripes[root] = Range{0, flat.numel()};
+              reduceFlat(flat, op, stripes, false, dl);
+              if (isRoot && flat.data_ptr() != t.data_ptr()) t.copy_(flat.view(t.sizes()));
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ReduceScatterOptions& opts) try {
-  checkOne("reduce_scatter", outputs.size());
-  checkOne("reduce_scatter", inputs.size());
-  at::Tensor out = outputs[0];
-  auto ins = inputs[0];
-  TORCH_CHECK(static_cast<int>(ins.size()) == getSize(), "kaitian reduce_scatter: input list has ",
-              ins.size(), " tensors, expected one per rank (", getSize(), ")");
-  for (const auto& t : ins) checkSameKind("reduce_scatter", out, t, out.numel(), "an input");
-  checkReduceSupported("reduce_scatter", opts.reduceOp.op_, out.scalar_type());
-  const RedOp op = opts.reduceOp;
-  std::vector<at::Tensor> all = ins;
-  all.push_back(out);
-  return enqueue(*collectives_, OpType::REDUCE_SCATTER, "reduce_scatter",
-                 opId(OpType::REDUCE_SCATTER, out, -1, op), outputs, all,
-                 opts.timeout, [this, out, ins, op](const Deadline& dl) mutable {
-                   const int64_t m = out.numel();
-                   if (m == 0) return meetEmpty(dl);
-                   std::vector<at::Tensor> flats;
-                   for (auto& t : ins) flats.push_back(t.reshape({-1}));
-                   at::Tensor flat = at::cat(flats);
-                   std::vector<Range> stripes(getSize());
-                   for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
-                   reduceFlat(flat, op, stripes, false, dl);
-                   out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("reduce_scatter");
+    const c10d::ReduceScatterOptions& opts) {
+  return collective("reduce_scatter", [&]() -> Call {
+    checkOne("reduce_scatter", outputs.size());
+    checkOne("reduce_scatter", inputs.size());
+    at::Tensor out = outputs[0];
+    auto ins = inputs[0];
+    TORCH_CHECK(static_cast<int>(ins.size()) == getSize(), "kaitian reduce_scatter: input list has ",
+                ins.size(), " tensors, expected one per rank (", getSize(), ")");
+    for (const auto& t : ins) checkSameKind("reduce_scatter", out, t, out.numel(), "an input");
+    checkReduceSupported("reduce_scatter", opts.reduceOp.op_, out.scalar_type());
+    const RedOp op = opts.reduceOp;
+    std::vector<at::Tensor> all = ins;
+    all.push_back(out);
+    return {OpType::REDUCE_SCATTER, opId(OpType::REDUCE_SCATTER, out, -1, op), outputs, all,
+            opts.timeout, [this, out, ins, op](const Deadline& dl) mutable {
+              const int64_t m = out.numel();
+              if (m == 0) return meetEmpty(dl);
+              std::vector<at::Tensor> flats;
+              for (auto& t : ins) flats.push_back(t.reshape({-1}));
+              at::Tensor flat = at::cat(flats);
+              std::vector<Range> stripes(getSize());
+              for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
+              reduceFlat(flat, op, stripes, false, dl);
+              out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::_reduce_scatter_base(
-    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) try {
-  at::Tensor out = output, in = input;
-  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian reduce_scatter_tensor: input dtype ",
-              in.scalar_type(), " differs from output dtype ", out.scalar_type());
-  TORCH_CHECK(in.numel() == out.numel() * getSize(), "kaitian reduce_scatter_tensor: input has ",
-              in.numel(), " elements, expected world size (", getSize(), ") x output (",
-              out.numel(), ")");
-  checkReduceSupported("reduce_scatter_tensor", opts.reduceOp.op_, out.scalar_type());
-  const RedOp op = opts.reduceOp;
-  return enqueue(*collectives_, OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
-                 opId(OpType::_REDUCE_SCATTER_BASE, out, -1, op), {out},
-                 {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
-                   const int64_t m = out.numel();
-                   if (m == 0) return meetEmpty(dl);
-                   if (auto vendor = soleVendor({in, out}, op.op_)) {
-                     c10d::ReduceScatterOptions o;
-                     o.reduceOp = op;
-                     o.timeout = dl.timeout;
-                     runVendor(
-                         vendor, [&] { return vendor->_reduce_scatter_base(out, in, o); }, out.device(), dl);
-                     return -1;
-                   }
-                   at::Tensor flat = scratchCopy(in);
-                   std::vector<Range> stripes(getSize());
-                   for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
-                   reduceFlat(flat, op, stripes, false, dl);
-                   out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("reduce_scatter_tensor");
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  return collective("reduce_scatter_tensor", [&]() -> Call {
+    at::Tensor out = output, in = input;
+    TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian reduce_scatter_tensor: input dtype ",
+                in.scalar_type(), " differs from output dtype ", out.scalar_type());
+    TORCH_CHECK(in.numel() == out.numel() * getSize(), "kaitian reduce_scatter_tensor: input has ",
+                in.numel(), " elements, expected world size (", getSize(), ") x output (",
+                out.numel(), ")");
+    checkReduceSupported("reduce_scatter_tensor", opts.reduceOp.op_, out.scalar_type());
+    const RedOp op = opts.reduceOp;
+    return {OpType::_REDUCE_SCATTER_BASE, opId(OpType::_REDUCE_SCATTER_BASE, out, -1, op), {out},
+            {in, out}, opts.timeout, [this, out, in, op](const Deadline& dl) mutable {
+              const int64_t m = out.numel();
+              if (m == 0) return meetEmpty(dl);
+              if (auto vendor = soleVendor({in, out}, op.op_)) {
+                c10d::ReduceScatterOptions o;
+                o.reduceOp = op;
+                o.timeout = dl.timeout;
+                runVendor(
+                    vendor, [&] { return vendor->_reduce_scatter_base(out, in, o); }, out.device(), dl);
+                return -1;
+              }
+              at::Tensor flat = scratchCopy(in);
+              std::vector<Range> stripes(getSize());
+              for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
+              reduceFlat(flat, op, stripes, false, dl);
+              out.copy_(flat.narrow(0, getRank() * m, m).view(out.sizes()));
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::ReduceScatterOptions& opts) try {
-  TORCH_CHECK(outputs.size() == inputs.size(), "kaitian reduce_scatter_tensor_coalesced: ",
-              outputs.size(), " outputs but ", inputs.size(), " inputs");
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    TORCH_CHECK(inputs[i].numel() == outputs[i].numel() * getSize() &&
-                    inputs[i].scalar_type() == outputs[i].scalar_type(),
-                "kaitian reduce_scatter_tensor_coalesced: input ", i,
-                " must have world size x the output's elements and the same dtype");
-    checkReduceSupported("reduce_scatter_tensor_coalesced", opts.reduceOp.op_,
-                         outputs[i].scalar_type());
-  }
-  const RedOp op = opts.reduceOp;
-  auto outs = outputs, ins = inputs;
-  std::vector<at::Tensor> all = ins;
-  all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, compat::kReduceScatterTensorCoalesced,
-                 "reduce_scatter_tensor_coalesced",
-                 opId(compat::kReduceScatterTensorCoalesced, outs, -1, op), outputs, all,
-                 opts.timeout,
-                 [this, outs, ins, op](const Deadline& dl) mutable {
-                   int64_t total = 0;
-                   for (const auto& o : outs) total += o.numel();
-                   if (total == 0) return meetEmpty(dl);
-                   for (size_t i = 0; i < outs.size(); ++i) {
-                     const int64_t m = outs[i].numel();
-                     if (m == 0) continue;
-                     at::Tensor flat = scratchCopy(ins[i]);
-                     std::vector<Range> stripes(getSize());
-                     for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
-                     reduceFlat(flat, op, stripes, false, dl);
-                     outs[i].copy_(flat.narrow(0, getRank() * m, m).view(outs[i].sizes()));
-                   }
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("reduce_scatter_tensor_coalesced");
+    const c10d::ReduceScatterOptions& opts) {
+  return collective("reduce_scatter_tensor_coalesced", [&]() -> Call {
+    TORCH_CHECK(outputs.size() == inputs.size(), "kaitian reduce_scatter_tensor_coalesced: ",
+                outputs.size(), " outputs but ", inputs.size(), " inputs");
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      TORCH_CHECK(inputs[i].numel() == outputs[i].numel() * getSize() &&
+                      inputs[i].scalar_type() == outputs[i].scalar_type(),
+                  "kaitian reduce_scatter_tensor_coalesced: input ", i,
+                  " must have world size x the output's elements and the same dtype");
+      checkReduceSupported("reduce_scatter_tensor_coalesced", opts.reduceOp.op_,
+                           outputs[i].scalar_type());
+    }
+    const RedOp op = opts.reduceOp;
+    auto outs = outputs, ins = inputs;
+    std::vector<at::Tensor> all = ins;
+    all.insert(all.end(), outs.begin(), outs.end());
+    return {compat::kReduceScatterTensorCoalesced,
+            opId(compat::kReduceScatterTensorCoalesced, outs, -1, op), outputs, all, opts.timeout,
+            [this, outs, ins, op](const Deadline& dl) mutable {
+              int64_t total = 0;
+              for (const auto& o : outs) total += o.numel();
+              if (total == 0) return meetEmpty(dl);
+              for (size_t i = 0; i < outs.size(); ++i) {
+                const int64_t m = outs[i].numel();
+                if (m == 0) continue;
+                at::Tensor flat = scratchCopy(ins[i]);
+                std::vector<Range> stripes(getSize());
+                for (int r = 0; r < getSize(); ++r) stripes[r] = Range{r * m, (r + 1) * m};
+                reduceFlat(flat, op, stripes, false, dl);
+                outs[i].copy_(flat.narrow(0, getRank() * m, m).view(outs[i].sizes()));
+              }
+              return -1;
+            }};
+  });
 }
 
 // ------------------------------------------------------------- data movement
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::broadcast(std::vector<at::Tensor>& tensors,
-                                                         const c10d::BroadcastOptions& opts) try {
-  checkOne("broadcast", tensors.size());
-  const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK(root >= 0 && root < getSize(), "kaitian broadcast: root ", root,
-              " is not a rank of this group of ", getSize());
-  at::Tensor t = tensors[0];
-  TORCH_CHECK(t.layout() == at::kStrided,
-              "kaitian broadcast: sparse tensors are not supported; call .to_dense() first");
-  return enqueue(*collectives_, OpType::BROADCAST, "broadcast", opId(OpType::BROADCAST, t, root),
-                 tensors, tensors, opts.timeout,
-                 [this, t, root](const Deadline& dl) mutable {
-                   if (getSize() == 1) return -1;
-                   if (auto vendor = soleVendor({t})) {
-                     std::vector<at::Tensor> v{t};
-                     c10d::BroadcastOptions o;
-                     o.rootRank = root;
-                     o.timeout = dl.timeout;
-                     runVendor(vendor, [&] { return vendor->broadcast(v, o); }, t.device(), dl);
-                     return -1;
-                   }
-                   const int W = getSize(), me = getRank();
-                   const int64_t nb = nbytes(t);
-                   std::vector<int64_t> off(W, 0), len(W, 0), rlen(W, 0);
-                   std::vector<uint8_t*> rptr(W, nullptr);
-                   if (me == root) {
-                     at::Tensor h = hostCopyOf(t);
-                     for (int d = 0; d < W; ++d) len[d] = d == me ? 0 : nb;
-                     exchangeBytes(bytesOf(h), nb, off, len, rptr, rlen, dl);
-                   } else {
-                     at::Tensor h = hostBufferFor(t);
-                     rptr[root] = bytesOf(h);
-                     rlen[root] = nb;
-                     exchangeBytes(nullptr, 0, off, len, rptr, rlen, dl);
-                     writeBack(t, h);
-                   }
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("broadcast");
+                                                         const c10d::BroadcastOptions& opts) {
+  return collective("broadcast", [&]() -> Call {
+    checkOne("broadcast", tensors.size());
+    const int root = static_cast<int>(opts.rootRank);
+    TORCH_CHECK(root >= 0 && root < getSize(), "kaitian broadcast: root ", root,
+                " is not a rank of this group of ", getSize());
+    at::Tensor t = tensors[0];
+    TORCH_CHECK(t.layout() == at::kStrided,
+                "kaitian broadcast: sparse tensors are not supported; call .to_dense() first");
+    return {OpType::BROADCAST, opId(OpType::BROADCAST, t, root),
+            tensors, tensors, opts.timeout,
+            [this, t, root](const Deadline& dl) mutable {
+              if (getSize() == 1) return -1;
+              if (auto vendor = soleVendor({t})) {
+                std::vector<at::Tensor> v{t};
+                c10d::BroadcastOptions o;
+                o.rootRank = root;
+                o.timeout = dl.timeout;
+                runVendor(vendor, [&] { return vendor->broadcast(v, o); }, t.device(), dl);
+                return -1;
+              }
+              const int W = getSize(), me = getRank();
+              const int64_t nb = nbytes(t);
+              std::vector<int64_t> off(W, 0), len(W, 0), rlen(W, 0);
+              std::vector<uint8_t*> rptr(W, nullptr);
+              if (me == root) {
+                at::Tensor h = hostCopyOf(t);
+                for (int d = 0; d < W; ++d) len[d] = d == me ? 0 : nb;
+                exchangeBytes(bytesOf(h), nb, off, len, rptr, rlen, dl);
+              } else {
+                at::Tensor h = hostBufferFor(t);
+                rptr[root] = bytesOf(h);
+                rlen[root] = nb;
+                exchangeBytes(nullptr, 0, off, len, rptr, rlen, dl);
+                writeBack(t, h);
+              }
+              return -1;
+            }};
+  });
 }
 
 namespace {
@@ -1016,390 +1092,367 @@ struct GatherPlan {
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) try {
-  checkOne("allgather", inputs.size());
-  checkOne("allgather", outputs.size());
-  at::Tensor in = inputs[0];
-  auto outs = outputs[0];
-  TORCH_CHECK(static_cast<int>(outs.size()) == getSize(), "kaitian allgather: output list has ",
-              outs.size(), " tensors, expected one per rank (", getSize(), ")");
-  for (const auto& o : outs) checkSameKind("allgather", in, o, in.numel(), "an output");
-  std::vector<at::Tensor> all = outs;
-  all.push_back(in);
-  return enqueue(*collectives_, OpType::ALLGATHER, "allgather", opId(OpType::ALLGATHER, in),
-                 outs, all, opts.timeout,
-                 [this, in, outs](const Deadline& dl) mutable {
-                   if (getSize() == 1) {  // where the data is: no host staging
-                     outs[0].copy_(in.reshape(outs[0].sizes()));
-                     return -1;
-                   }
-                   std::vector<at::Tensor> all = outs;
-                   all.push_back(in);
-                   if (auto vendor = soleVendor(all)) {
-                     std::vector<std::vector<at::Tensor>> o{outs};
-                     std::vector<at::Tensor> i{in};
-                     c10d::AllgatherOptions opts;
-                     opts.timeout = dl.timeout;
-                     runVendor(
-                         vendor, [&] { return vendor->allgather(o, i, opts); }, in.device(), dl);
-                     return -1;
-                   }
-                   const int W = getSize();
-                   const int64_t nb = nbytes(in);
-                   at::Tensor h = hostCopyOf(in);
-                   std::vector<at::Tensor> bufs;
-                   std::vector<uint8_t*> rptr(W);
-                   for (int s = 0; s < W; ++s) {
-                     bufs.push_back(hostBufferFor(outs[s]));
-                     rptr[s] = bytesOf(bufs[s]);
-                   }
-                   exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
-                                 std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
-                                 dl);
-                   for (int s = 0; s < W; ++s) writeBack(outs[s], bufs[s]);
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("allgather");
+    const c10d::AllgatherOptions& opts) {
+  return collective("allgather", [&]() -> Call {
+    checkOne("allgather", inputs.size());
+    checkOne("allgather", outputs.size());
+    at::Tensor in = inputs[0];
+    auto outs = outputs[0];
+    TORCH_CHECK(static_cast<int>(outs.size()) == getSize(), "kaitian allgather: output list has ",
+                outs.size(), " tensors, expected one per rank (", getSize(), ")");
+    for (const auto& o : outs) checkSameKind("allgather", in, o, in.numel(), "an output");
+    std::vector<at::Tensor> all = outs;
+    all.push_back(in);
+    return {OpType::ALLGATHER, opId(OpType::ALLGATHER, in),
+            outs, all, opts.timeout,
+            [this, in, outs](const Deadline& dl) mutable {
+              if (getSize() == 1) {  // where the data is: no host staging
+                outs[0].copy_(in.reshape(outs[0].sizes()));
+                return -1;
+              }
+              std::vector<at::Tensor> all = outs;
+              all.push_back(in);
+              if (auto vendor = soleVendor(all)) {
+                std::vector<std::vector<at::Tensor>> o{outs};
+                std::vector<at::Tensor> i{in};
+                c10d::AllgatherOptions opts;
+                opts.timeout = dl.timeout;
+                runVendor(
+                    vendor, [&] { return vendor->allgather(o, i, opts); }, in.device(), dl);
+                return -1;
+              }
+              const int W = getSize();
+              const int64_t nb = nbytes(in);
+              at::Tensor h = hostCopyOf(in);
+              std::vector<at::Tensor> bufs;
+              std::vector<uint8_t*> rptr(W);
+              for (int s = 0; s < W; ++s) {
+                bufs.push_back(hostBufferFor(outs[s]));
+                rptr[s] = bytesOf(bufs[s]);
+              }
+              exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
+                            std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
+                            dl);
+              for (int s = 0; s < W; ++s) writeBack(outs[s], bufs[s]);
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::_allgather_base(
-    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) try {
-  at::Tensor out = output, in = input;
-  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian allgather_into_tensor: input dtype ",
-              in.scalar_type(), " differs from output dtype ", out.scalar_type());
-  TORCH_CHECK(out.numel() == in.numel() * getSize(), "kaitian allgather_into_tensor: output has ",
-              out.numel(), " elements, expected world size (", getSize(), ") x input (",
-              in.numel(), ")");
-  return enqueue(*collectives_, OpType::_ALLGATHER_BASE, "allgather_into_tensor",
-                 opId(OpType::_ALLGATHER_BASE, in), {out},
-                 {in, out}, opts.timeout, [this, in, out](const Deadline& dl) mutable {
-                   if (getSize() == 1) {  // where the data is: no host staging
-                     out.copy_(in.reshape(out.sizes()));
-                     return -1;
-                   }
-                   if (auto vendor = soleVendor({in, out})) {
-                     c10d::AllgatherOptions opts;
-                     opts.timeout = dl.timeout;
-                     runVendor(
-                         vendor, [&] { return vendor->_allgather_base(out, in, opts); }, in.device(), dl);
-                     return -1;
-                   }
-                   const int W = getSize();
-                   const int64_t nb = nbytes(in);
-                   at::Tensor h = hostCopyOf(in);
-                   at::Tensor ob = hostBufferFor(out);
-                   std::vector<uint8_t*> rptr(W);
-                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(ob) + s * nb;
-                   exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
-                                 std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
-                                 dl);
-                   writeBack(out, ob);
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("allgather_into_tensor");
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  return collective("allgather_into_tensor", [&]() -> Call {
+    at::Tensor out = output, in = input;
+    TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian allgather_into_tensor: input dtype ",
+                in.scalar_type(), " differs from output dtype ", out.scalar_type());
+    TORCH_CHECK(out.numel() == in.numel() * getSize(), "kaitian allgather_into_tensor: output has ",
+                out.numel(), " elements, expected world size (", getSize(), ") x input (",
+                in.numel(), ")");
+    return {OpType::_ALLGATHER_BASE, opId(OpType::_ALLGATHER_BASE, in), {out},
+            {in, out}, opts.timeout, [this, in, out](const Deadline& dl) mutable {
+              if (getSize() == 1) {  // where the data is: no host staging
+                out.copy_(in.reshape(out.sizes()));
+                return -1;
+              }
+              if (auto vendor = soleVendor({in, out})) {
+                c10d::AllgatherOptions opts;
+                opts.timeout = dl.timeout;
+                runVendor(
+                    vendor, [&] { return vendor->_allgather_base(out, in, opts); }, in.device(), dl);
+                return -1;
+              }
+              const int W = getSize();
+              const int64_t nb = nbytes(in);
+              at::Tensor h = hostCopyOf(in);
+              at::Tensor ob = hostBufferFor(out);
+              std::vector<uint8_t*> rptr(W);
+              for (int s = 0; s < W; ++s) rptr[s] = bytesOf(ob) + s * nb;
+              exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
+                            std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
+                            dl);
+              writeBack(out, ob);
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) try {
-  const int W = getSize();
-  TORCH_CHECK(outputs.size() == static_cast<size_t>(W),
-              "kaitian allgather_coalesced: expected one output list per rank (", W, "), got ",
-              outputs.size());
-  for (const auto& list : outputs) {
-    TORCH_CHECK(list.size() == inputs.size(), "kaitian allgather_coalesced: each output list must "
-                "have as many tensors as the input list (", inputs.size(), ")");
-    for (size_t i = 0; i < list.size(); ++i) {
-      checkSameKind("allgather_coalesced", inputs[i], list[i], inputs[i].numel(), "an output");
+    const c10d::AllgatherOptions& opts) {
+  return collective("allgather_coalesced", [&]() -> Call {
+    const int W = getSize();
+    TORCH_CHECK(outputs.size() == static_cast<size_t>(W),
+                "kaitian allgather_coalesced: expected one output list per rank (", W, "), got ",
+                outputs.size());
+    for (const auto& list : outputs) {
+      TORCH_CHECK(list.size() == inputs.size(), "kaitian allgather_coalesced: each output list must "
+                  "have as many tensors as the input list (", inputs.size(), ")");
+      for (size_t i = 0; i < list.size(); ++i) {
+        checkSameKind("allgather_coalesced", inputs[i], list[i], inputs[i].numel(), "an output");
+      }
     }
-  }
-  auto ins = inputs;
-  auto outs = outputs;
-  std::vector<at::Tensor> flatOuts, all = inputs;
-  for (auto& l : outputs) {
-    flatOuts.insert(flatOuts.end(), l.begin(), l.end());
-  }
-  all.insert(all.end(), flatOuts.begin(), flatOuts.end());
-  return enqueue(*collectives_, OpType::ALLGATHER_COALESCED, "allgather_coalesced",
-                 opId(OpType::ALLGATHER_COALESCED, ins), flatOuts, all,
-                 opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
-                   const int W = getSize();
-                   // One exchange: the inputs concatenated as bytes.
-                   std::vector<at::Tensor> hs;
-                   for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}).view(at::kByte));
-                   at::Tensor blob = hs.empty() ? at::empty({0}, at::kByte) : at::cat(hs);
-                   const int64_t nb = blob.numel();
-                   at::Tensor recv = at::empty({W, nb}, at::kByte);
-                   std::vector<uint8_t*> rptr(W);
-                   for (int s = 0; s < W; ++s) rptr[s] = bytesOf(recv) + s * nb;
-                   exchangeBytes(bytesOf(blob), nb, std::vector<int64_t>(W, 0),
-                                 std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
-                                 dl);
-                   for (int s = 0; s < W; ++s) {
-                     int64_t off = 0;
-                     for (size_t i = 0; i < ins.size(); ++i) {
-                       const int64_t b = nbytes(ins[i]);
-                       at::Tensor piece = recv[s].narrow(0, off, b).view(ins[i].scalar_type());
-                       outs[s][i].copy_(piece.view(outs[s][i].sizes()));
-                       off += b;
-                     }
-                   }
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("allgather_coalesced");
+    auto ins = inputs;
+    auto outs = outputs;
+    std::vector<at::Tensor> flatOuts, all = inputs;
+    for (auto& l : outputs) {
+      flatOuts.insert(flatOuts.end(), l.begin(), l.end());
+    }
+    all.insert(all.end(), flatOuts.begin(), flatOuts.end());
+    return {OpType::ALLGATHER_COALESCED, opId(OpType::ALLGATHER_COALESCED, ins), flatOuts, all,
+            opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
+              const int W = getSize();
+              // One exchange: the inputs concatenated as bytes.
+              std::vector<at::Tensor> hs;
+              for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}).view(at::kByte));
+              at::Tensor blob = hs.empty() ? at::empty({0}, at::kByte) : at::cat(hs);
+              const int64_t nb = blob.numel();
+              at::Tensor recv = at::empty({W, nb}, at::kByte);
+              std::vector<uint8_t*> rptr(W);
+              for (int s = 0; s < W; ++s) rptr[s] = bytesOf(recv) + s * nb;
+              exchangeBytes(bytesOf(blob), nb, std::vector<int64_t>(W, 0),
+                            std::vector<int64_t>(W, nb), rptr, std::vector<int64_t>(W, nb),
+                            dl);
+              for (int s = 0; s < W; ++s) {
+                int64_t off = 0;
+                for (size_t i = 0; i < ins.size(); ++i) {
+                  const int64_t b = nbytes(ins[i]);
+                  at::Tensor piece = recv[s].narrow(0, off, b).view(ins[i].scalar_type());
+                  outs[s][i].copy_(piece.view(outs[s][i].sizes()));
+                  off += b;
+                }
+              }
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) try {
-  TORCH_CHECK(outputs.size() == inputs.size(), "kaitian allgather_into_tensor_coalesced: ",
-              outputs.size(), " outputs but ", inputs.size(), " inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    TORCH_CHECK(outputs[i].numel() == inputs[i].numel() * getSize() &&
-                    outputs[i].scalar_type() == inputs[i].scalar_type(),
-                "kaitian allgather_into_tensor_coalesced: output ", i,
-                " must have world size x the input's elements and the same dtype");
-  }
-  auto ins = inputs, outs = outputs;
-  std::vector<at::Tensor> all = ins;
-  all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, compat::kAllgatherIntoTensorCoalesced, "allgather_into_tensor_coalesced",
-                 opId(compat::kAllgatherIntoTensorCoalesced, ins), outputs,
-                 all, opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
-                   const int W = getSize();
-                   for (size_t i = 0; i < ins.size(); ++i) {
-                     const int64_t nb = nbytes(ins[i]);
-                     at::Tensor h = hostCopyOf(ins[i]);
-                     at::Tensor ob = hostBufferFor(outs[i]);
-                     std::vector<uint8_t*> rptr(W);
-                     for (int s = 0; s < W; ++s) rptr[s] = bytesOf(ob) + s * nb;
-                     exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
-                                   std::vector<int64_t>(W, nb), rptr,
-                                   std::vector<int64_t>(W, nb), dl);
-                     writeBack(outs[i], ob);
-                   }
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("allgather_into_tensor_coalesced");
+    const c10d::AllgatherOptions& opts) {
+  return collective("allgather_into_tensor_coalesced", [&]() -> Call {
+    TORCH_CHECK(outputs.size() == inputs.size(), "kaitian allgather_into_tensor_coalesced: ",
+                outputs.size(), " outputs but ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      TORCH_CHECK(outputs[i].numel() == inputs[i].numel() * getSize() &&
+                      outputs[i].scalar_type() == inputs[i].scalar_type(),
+                  "kaitian allgather_into_tensor_coalesced: output ", i,
+                  " must have world size x the input's elements and the same dtype");
+    }
+    auto ins = inputs, outs = outputs;
+    std::vector<at::Tensor> all = ins;
+    all.insert(all.end(), outs.begin(), outs.end());
+    return {compat::kAllgatherIntoTensorCoalesced,
+            opId(compat::kAllgatherIntoTensorCoalesced, ins), outputs, all, opts.timeout,
+            [this, ins, outs](const Deadline& dl) mutable {
+              const int W = getSize();
+              for (size_t i = 0; i < ins.size(); ++i) {
+                const int64_t nb = nbytes(ins[i]);
+                at::Tensor h = hostCopyOf(ins[i]);
+                at::Tensor ob = hostBufferFor(outs[i]);
+                std::vector<uint8_t*> rptr(W);
+                for (int s = 0; s < W; ++s) rptr[s] = bytesOf(ob) + s * nb;
+                exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0),
+                              std::vector<int64_t>(W, nb), rptr,
+                              std::vector<int64_t>(W, nb), dl);
+                writeBack(outs[i], ob);
+              }
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::GatherOptions& opts) try {
-  checkOne("gather", inputs.size());
-  const int root = static_cast<int>(opts.rootRank), W = getSize(), me = getRank();
-  TORCH_CHECK(root >= 0 && root < W, "kaitian gather: root ", root, " is not a rank of this group");
-  at::Tensor in = inputs[0];
-  std::vector<at::Tensor> outs;
-  if (me == root) {
-    checkOne("gather (output lists on the root)", outputs.size());
-    outs = outputs[0];
-    TORCH_CHECK(static_cast<int>(outs.size()) == W, "kaitian gather: the root's gather_list has ",
-                outs.size(), " tensors, expected one per rank (", W, ")");
-    for (const auto& o : outs) checkSameKind("gather", in, o, in.numel(), "a gather_list entry");
-  } else {
-    TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-                "kaitian gather: only the root (rank ", root, ") may pass a gather_list");
-  }
-  std::vector<at::Tensor> all = outs;
-  all.push_back(in);
-  return enqueue(*collectives_, OpType::GATHER, "gather", opId(OpType::GATHER, in, root), outs, all,
-                 opts.timeout,
-                 [this, in, outs, root](const Deadline& dl) mutable {
-                   const int W = getSize(), me = getRank();
-                   const int64_t nb = nbytes(in);
-                   at::Tensor h = hostCopyOf(in);
-                   std::vector<int64_t> len(W, 0), rlen(W, 0);
-                   std::vector<uint8_t*> rptr(W, nullptr);
-                   std::vector<at::Tensor> bufs;
-                   len[root] = nb;
-                   if (me == root) {
-                     for (int s = 0; s < W; ++s) {
-                       bufs.push_back(hostBufferFor(outs[s]));
-                       rptr[s] = bytesOf(bufs[s]);
-                       rlen[s] = nb;
-                     }
-                   }
-                   exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0), len, rptr, rlen, dl);
-                   if (me == root) {
-                     for (int s = 0; s < W; ++s) writeBack(outs[s], bufs[s]);
-                   }
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("gather");
+    const c10d::GatherOptions& opts) {
+  return collective("gather", [&]() -> Call {
+    checkOne("gather", inputs.size());
+    const int root = static_cast<int>(opts.rootRank);
+    at::Tensor in = inputs[0];
+    std::vector<at::Tensor> outs =
+        rootList("gather", "gather_list", "output lists", outputs, in, root);
+    std::vector<at::Tensor> all = outs;
+    all.push_back(in);
+    return {OpType::GATHER, opId(OpType::GATHER, in, root), outs, all,
+            opts.timeout,
+            [this, in, outs, root](const Deadline& dl) mutable {
+              const int W = getSize(), me = getRank();
+              const int64_t nb = nbytes(in);
+              at::Tensor h = hostCopyOf(in);
+              std::vector<int64_t> len(W, 0), rlen(W, 0);
+              std::vector<uint8_t*> rptr(W, nullptr);
+              std::vector<at::Tensor> bufs;
+              len[root] = nb;
+              if (me == root) {
+                for (int s = 0; s < W; ++s) {
+                  bufs.push_back(hostBufferFor(outs[s]));
+                  rptr[s] = bytesOf(bufs[s]);
+                  rlen[s] = nb;
+                }
+              }
+              exchangeBytes(bytesOf(h), nb, std::vector<int64_t>(W, 0), len, rptr, rlen, dl);
+              if (me == root) {
+                for (int s = 0; s < W; ++s) writeBack(outs[s], bufs[s]);
+              }
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ScatterOptions& opts) try {
-  checkOne("scatter", outputs.size());
-  const int root = static_cast<int>(opts.rootRank), W = getSize(), me = getRank();
-  TORCH_CHECK(root >= 0 && root < W, "kaitian scatter: root ", root, " is not a rank of this group");
-  at::Tensor out = outputs[0];
-  std::vector<at::Tensor> ins;
-  if (me == root) {
-    checkOne("scatter (input lists on the root)", inputs.size());
-    ins = inputs[0];
-    TORCH_CHECK(static_cast<int>(ins.size()) == W, "kaitian scatter: the root's scatter_list has ",
-                ins.size(), " tensors, expected one per rank (", W, ")");
-    for (const auto& t : ins) checkSameKind("scatter", out, t, out.numel(), "a scatter_list entry");
-  } else {
-    TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
-                "kaitian scatter: only the root (rank ", root, ") may pass a scatter_list");
-  }
-  std::vector<at::Tensor> all = ins;
-  all.push_back(out);
-  return enqueue(*collectives_, OpType::SCATTER, "scatter", opId(OpType::SCATTER, out, root),
-                 outputs, all, opts.timeout,
-                 [this, out, ins, root](const Deadline& dl) mutable {
-                   const int W = getSize(), me = getRank();
-                   const int64_t nb = nbytes(out);
-                   at::Tensor ob = hostBufferFor(out);
-                   std::vector<int64_t> off(W, 0), len(W, 0), rlen(W, 0);
-                   std::vector<uint8_t*> rptr(W, nullptr);
-                   rptr[root] = bytesOf(ob);
-                   rlen[root] = nb;
-                   at::Tensor blob;
-                   if (me == root) {
-                     std::vector<at::Tensor> hs;
-                     for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}));
-                     blob = at::cat(hs);
-                     for (int d = 0; d < W; ++d) {
-                       off[d] = d * nb;
-                       len[d] = nb;
-                     }
-                   }
-                   exchangeBytes(blob.defined() ? bytesOf(blob) : nullptr,
-                                 blob.defined() ? nbytes(blob) : 0, off, len, rptr, rlen, dl);
-                   writeBack(out, ob);
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("scatter");
+    const c10d::ScatterOptions& opts) {
+  return collective("scatter", [&]() -> Call {
+    checkOne("scatter", outputs.size());
+    const int root = static_cast<int>(opts.rootRank);
+    at::Tensor out = outputs[0];
+    std::vector<at::Tensor> ins =
+        rootList("scatter", "scatter_list", "input lists", inputs, out, root);
+    std::vector<at::Tensor> all = ins;
+    all.push_back(out);
+    return {OpType::SCATTER, opId(OpType::SCATTER, out, root),
+            outputs, all, opts.timeout,
+            [this, out, ins, root](const Deadline& dl) mutable {
+              const int W = getSize(), me = getRank();
+              const int64_t nb = nbytes(out);
+              at::Tensor ob = hostBufferFor(out);
+              std::vector<int64_t> off(W, 0), len(W, 0), rlen(W, 0);
+              std::vector<uint8_t*> rptr(W, nullptr);
+              rptr[root] = bytesOf(ob);
+              rlen[root] = nb;
+              at::Tensor blob;
+              if (me == root) {
+                std::vector<at::Tensor> hs;
+                for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}));
+                blob = at::cat(hs);
+                for (int d = 0; d < W; ++d) {
+                  off[d] = d * nb;
+                  len[d] = nb;
+                }
+              }
+              exchangeBytes(blob.defined() ? bytesOf(blob) : nullptr,
+                            blob.defined() ? nbytes(blob) : 0, off, len, rptr, rlen, dl);
+              writeBack(out, ob);
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplitSizes,
-    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) try {
-  const int W = getSize();
-  at::Tensor out = output, in = input;
-  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian alltoall_single: input dtype ",
-              in.scalar_type(), " differs from output dtype ", out.scalar_type());
-  auto splits = [&](std::vector<int64_t> s, const at::Tensor& t, const char* which) {
-    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-    if (s.empty()) {
-      TORCH_CHECK(rows % W == 0, "kaitian alltoall_single: ", which, " dim 0 (", rows,
-                  ") is not divisible by the world size (", W, "); pass split sizes");
-      return std::vector<int64_t>(W, rows / W);
-    }
-    TORCH_CHECK(static_cast<int>(s.size()) == W, "kaitian alltoall_single: ", which,
-                " split sizes has ", s.size(), " entries, expected ", W);
-    for (size_t r = 0; r < s.size(); ++r) {
-      TORCH_CHECK(s[r] >= 0, "kaitian alltoall_single: ", which, " split sizes[", r, "] is ",
-                  s[r], "; split sizes must not be negative");
-    }
-    TORCH_CHECK(std::accumulate(s.begin(), s.end(), int64_t{0}) == rows,
-                "kaitian alltoall_single: ", which, " split sizes sum to ",
-                std::accumulate(s.begin(), s.end(), int64_t{0}), " but dim 0 is ", rows);
-    return s;
-  };
-  auto inS = splits(inputSplitSizes, in, "input");
-  auto outS = splits(outputSplitSizes, out, "output");
-  const int64_t inRow = in.dim() == 0 || in.size(0) == 0 ? 0 : in.numel() / in.size(0);
-  const int64_t outRow = out.dim() == 0 || out.size(0) == 0 ? 0 : out.numel() / out.size(0);
-  TORCH_CHECK(inRow == outRow || inRow == 0 || outRow == 0,
-              "kaitian alltoall_single: input rows have ", inRow, " elements, output rows ",
-              outRow, "; use matching trailing dimensions");
-  return enqueue(*collectives_, OpType::ALLTOALL_BASE, "alltoall_single",
-                 opId(OpType::ALLTOALL_BASE, in.scalar_type(), -1), {out}, {in, out},
-                 opts.timeout, [this, in, out, inS, outS, inRow, outRow](const Deadline& dl) mutable {
-                   const int W = getSize();
-                   const int64_t es = in.element_size();
-                   at::Tensor h = hostCopyOf(in);
-                   at::Tensor ob = hostBufferFor(out);
-                   std::vector<int64_t> off(W), len(W), rlen(W);
-                   std::vector<uint8_t*> rptr(W);
-                   int64_t so = 0, ro = 0;
-                   for (int r = 0; r < W; ++r) {
-                     off[r] = so * inRow * es;
-                     len[r] = inS[r] * inRow * es;
-                     so += inS[r];
-                     rptr[r] = bytesOf(ob) + ro * outRow * es;
-                     rlen[r] = outS[r] * outRow * es;
-                     ro += outS[r];
-                   }
-                   checkExchangePlan(len, rlen, dl);
-                   exchangeBytes(bytesOf(h), nbytes(h), off, len, rptr, rlen, dl);
-                   writeBack(out, ob);
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("alltoall_single");
+    std::vector<int64_t>& inputSplitSizes, const c10d::AllToAllOptions& opts) {
+  return collective("alltoall_single", [&]() -> Call {
+    const int W = getSize();
+    at::Tensor out = output, in = input;
+    TORCH_CHECK(in.scalar_type() == out.scalar_type(), "kaitian alltoall_single: input dtype ",
+                in.scalar_type(), " differs from output dtype ", out.scalar_type());
+    auto splits = [&](std::vector<int64_t> s, const at::Tensor& t, const char* which) {
+      const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+      if (s.empty()) {
+        TORCH_CHECK(rows % W == 0, "kaitian alltoall_single: ", which, " dim 0 (", rows,
+                    ") is not divisible by the world size (", W, "); pass split sizes");
+        return std::vector<int64_t>(W, rows / W);
+      }
+      TORCH_CHECK(static_cast<int>(s.size()) == W, "kaitian alltoall_single: ", which,
+                  " split sizes has ", s.size(), " entries, expected ", W);
+      for (size_t r = 0; r < s.size(); ++r) {
+        TORCH_CHECK(s[r] >= 0, "kaitian alltoall_single: ", which, " split sizes[", r, "] is ",
+                    s[r], "; split sizes must not be negative");
+      }
+      TORCH_CHECK(std::accumulate(s.begin(), s.end(), int64_t{0}) == rows,
+                  "kaitian alltoall_single: ", which, " split sizes sum to ",
+                  std::accumulate(s.begin(), s.end(), int64_t{0}), " but dim 0 is ", rows);
+      return s;
+    };
+    auto inS = splits(inputSplitSizes, in, "input");
+    auto outS = splits(outputSplitSizes, out, "output");
+    const int64_t inRow = in.dim() == 0 || in.size(0) == 0 ? 0 : in.numel() / in.size(0);
+    const int64_t outRow = out.dim() == 0 || out.size(0) == 0 ? 0 : out.numel() / out.size(0);
+    TORCH_CHECK(inRow == outRow || inRow == 0 || outRow == 0,
+                "kaitian alltoall_single: input rows have ", inRow, " elements, output rows ",
+                outRow, "; use matching trailing dimensions");
+    return {OpType::ALLTOALL_BASE, opId(OpType::ALLTOALL_BASE, in.scalar_type(), -1), {out},
+            {in, out}, opts.timeout,
+            [this, in, out, inS, outS, inRow, outRow](const Deadline& dl) mutable {
+              const int W = getSize();
+              const int64_t es = in.element_size();
+              at::Tensor h = hostCopyOf(in);
+              at::Tensor ob = hostBufferFor(out);
+              std::vector<int64_t> off(W), len(W), rlen(W);
+              std::vector<uint8_t*> rptr(W);
+              int64_t so = 0, ro = 0;
+              for (int r = 0; r < W; ++r) {
+                off[r] = so * inRow * es;
+                len[r] = inS[r] * inRow * es;
+                so += inS[r];
+                rptr[r] = bytesOf(ob) + ro * outRow * es;
+                rlen[r] = outS[r] * outRow * es;
+                ro += outS[r];
+              }
+              checkExchangePlan(len, rlen, dl);
+              exchangeBytes(bytesOf(h), nbytes(h), off, len, rptr, rlen, dl);
+              writeBack(out, ob);
+              return -1;
+            }};
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> KaitianBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                         std::vector<at::Tensor>& inputs,
-                                                        const c10d::AllToAllOptions& opts) try {
-  const int W = getSize();
-  TORCH_CHECK(static_cast<int>(outputs.size()) == W && static_cast<int>(inputs.size()) == W,
-              "kaitian alltoall: expects one input and one output tensor per rank (", W,
-              "), got ", inputs.size(), " inputs and ", outputs.size(), " outputs");
-  for (int r = 0; r < W; ++r) {
-    TORCH_CHECK(outputs[r].scalar_type() == inputs[0].scalar_type() &&
-                    inputs[r].scalar_type() == inputs[0].scalar_type(),
-                "kaitian alltoall: all tensors must share one dtype");
-  }
-  auto ins = inputs, outs = outputs;
-  std::vector<at::Tensor> all = ins;
-  all.insert(all.end(), outs.begin(), outs.end());
-  return enqueue(*collectives_, OpType::ALLTOALL, "alltoall",
-                 opId(OpType::ALLTOALL, inputs[0].scalar_type(), -1), outputs, all, opts.timeout,
-                 [this, ins, outs](const Deadline& dl) mutable {
-                   const int W = getSize();
-                   std::vector<at::Tensor> hs;
-                   for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}));
-                   at::Tensor blob = at::cat(hs);
-                   std::vector<int64_t> off(W), len(W), rlen(W);
-                   std::vector<uint8_t*> rptr(W);
-                   std::vector<at::Tensor> bufs;
-                   int64_t o = 0;
-                   for (int r = 0; r < W; ++r) {
-                     off[r] = o;
-                     len[r] = nbytes(ins[r]);
-                     o += len[r];
-                     bufs.push_back(hostBufferFor(outs[r]));
-                     rptr[r] = bytesOf(bufs[r]);
-                     rlen[r] = nbytes(outs[r]);
-                   }
-                   checkExchangePlan(len, rlen, dl);
-                   exchangeBytes(bytesOf(blob), nbytes(blob), off, len, rptr, rlen, dl);
-                   for (int r = 0; r < W; ++r) writeBack(outs[r], bufs[r]);
-                   return -1;
-                 });
-} catch (...) {
-  breakOnLocalError("alltoall");
+                                                        const c10d::AllToAllOptions& opts) {
+  return collective("alltoall", [&]() -> Call {
+    const int W = getSize();
+    TORCH_CHECK(static_cast<int>(outputs.size()) == W && static_cast<int>(inputs.size()) == W,
+                "kaitian alltoall: expects one input and one output tensor per rank (", W,
+                "), got ", inputs.size(), " inputs and ", outputs.size(), " outputs");
+    for (int r = 0; r < W; ++r) {
+      TORCH_CHECK(outputs[r].scalar_type() == inputs[0].scalar_type() &&
+                      inputs[r].scalar_type() == inputs[0].scalar_type(),
+                  "kaitian alltoall: all tensors must share one dtype");
+    }
+    auto ins = inputs, outs = outputs;
+    std::vector<at::Tensor> all = ins;
+    all.insert(all.end(), outs.begin(), outs.end());
+    return {OpType::ALLTOALL, opId(OpType::ALLTOALL, inputs[0].scalar_type(), -1), outputs, all,
+            opts.timeout, [this, ins, outs](const Deadline& dl) mutable {
+              const int W = getSize();
+              std::vector<at::Tensor> hs;
+              for (auto& t : ins) hs.push_back(hostCopyOf(t).reshape({-1}));
+              at::Tensor blob = at::cat(hs);
+              std::vector<int64_t> off(W), len(W), rlen(W);
+              std::vector<uint8_t*> rptr(W);
+              std::vector<at::Tensor> bufs;
+              int64_t o = 0;
+              for (int r = 0; r < W; ++r) {
+                off[r] = o;
+                len[r] = nbytes(ins[r]);
+                o += len[r];
+                bufs.push_back(hostBufferFor(outs[r]));
+                rptr[r] = bytesOf(bufs[r]);
+                rlen[r] = nbytes(outs[r]);
+              }
+              checkExchangePlan(len, rlen, dl);
+              exchangeBytes(bytesOf(blob), nbytes(blob), off, len, rptr, rlen, dl);
+              for (int r = 0; r < W; ++r) writeBack(outs[r], bufs[r]);
+              return -1;
+            }};
+  });
 }
 
-c10::intrusive_ptr<c10d::Work> KaitianBackend::barrier(const c10d::BarrierOptions& opts) try {
-  // As NCCL's, a barrier orders the rank's device: it meets the peers once the
-  // device work queued before it finished, so each rank's is done on return.
-  return enqueue(*collectives_, OpType::BARRIER, "barrier", opId(OpType::BARRIER), {}, {},
-                 opts.timeout,
-                 [this](const Deadline& dl) {
-                   const int W = getSize();
-                   exchangeBytes(nullptr, 0, std::vector<int64_t>(W, 0),
-                                 std::vector<int64_t>(W, 0), std::vector<uint8_t*>(W, nullptr),
-                                 std::vector<int64_t>(W, 0), dl);
-                   return -1;
-                 },
-                 layout_.device);
-} catch (...) {
-  breakOnLocalError("barrier");
+c10::intrusive_ptr<c10d::Work> KaitianBackend::barrier(const c10d::BarrierOptions& opts) {
+  return collective("barrier", [&]() -> Call {
+    // As NCCL's, a barrier orders the rank's device: it meets the peers once the
+    // device work queued before it finished, so each rank's is done on return.
+    return {OpType::BARRIER, opId(OpType::BARRIER), {}, {},
+            opts.timeout,
+            [this](const Deadline& dl) {
+              const int W = getSize();
+              exchangeBytes(nullptr, 0, std::vector<int64_t>(W, 0),
+                            std::vector<int64_t>(W, 0), std::vector<uint8_t*>(W, nullptr),
+                            std::vector<int64_t>(W, 0), dl);
+              return -1;
+            },
+            layout_.device};
+  });
 }
 
 // ------------------------------------------------------------ point to point

@@ -106,6 +106,14 @@ class KaitianBackend : public c10d::Backend {
   bool hasIntra() const { return intraDevice_.defined() || intraCpu_.defined(); }
   // The first failure once the group is broken, else "".
   std::string firstFailure() const { return fail_.broken() ? fail_.first() : ""; }
+  // From the next all_reduce this rank issues on, rank r reduces weights[r] /
+  // sum(weights) of every segment (empty: even stripes). Every rank must set
+  // the same weights before the same collective: their digest is part of the
+  // op's identity, so ranks that disagree fail that collective on every rank.
+  void setStripeWeights(std::vector<int64_t> weights);
+  std::vector<int64_t> stripeWeights() const;
+  // Elements this rank reduced on the host so far, and the seconds that took.
+  std::pair<int64_t, double> reduceRate() const;
 
  private:
   using Body = std::function<int(const Deadline&)>;  // returns the source rank (recv) or -1
@@ -123,9 +131,10 @@ class KaitianBackend : public c10d::Backend {
   // inside groups that use their vendor, then the bridge across source groups,
   // segment by segment (device tensors: copies of the next segment overlap the
   // bridge work on this one). Rank r ends up with stripes[r] reduced (every
-  // stripe when `gather`); empty `stripes` means an even split of each segment.
+  // stripe when `gather`); empty `stripes` splits each segment in proportion
+  // to `weights` (empty: evenly).
   void reduceFlat(at::Tensor& flat, const c10d::ReduceOp& op, std::vector<Range> stripes,
-                  bool gather, const Deadline& dl);
+                  bool gather, const Deadline& dl, const std::vector<int64_t>& weights = {});
   // Whether `group` reduces `dtype` with `op` (data movement: no op) through its
   // vendor; the same answer on every rank (layout and table only).
   bool groupUsesVendor(int group, at::ScalarType dtype,
@@ -154,8 +163,35 @@ class KaitianBackend : public c10d::Backend {
   // A collective's argument check failed on this rank alone, while its peers
   // are, or will be, waiting for it in that collective: breaks the group
   // (fail-stop) so that they raise at once naming this rank and the error, and
-  // rethrows the error to the caller. Called from the collectives' catch blocks.
+  // rethrows the error to the caller. Called by collective().
   [[noreturn]] void breakOnLocalError(const char* op);
+  // What a collective queues once its arguments are checked (see enqueue).
+  struct Call {
+    c10d::OpType type;
+    OpId id;
+    std::vector<at::Tensor> outputs, deviceTensors;
+    std::chrono::milliseconds timeout;
+    Body body;
+    std::optional<c10::Device> device = std::nullopt;
+  };
+  // Every collective's frame: `check` validates the arguments on the caller's
+  // thread and returns the op, which is queued on the collectives thread; an
+  // argument error breaks the group (breakOnLocalError) and reaches the caller.
+  template <typename Check>
+  c10::intrusive_ptr<c10d::Work> collective(const char* name, Check check) {
+    try {
+      Call c = check();
+      return enqueue(*collectives_, c.type, name, c.id, std::move(c.outputs),
+                     std::move(c.deviceTensors), c.timeout, std::move(c.body), c.device);
+    } catch (...) {
+      breakOnLocalError(name);
+    }
+  }
+  // The root's list of one tensor per rank like `like` (gather_list,
+  // scatter_list; `lists` says what they are); the other ranks must pass none.
+  std::vector<at::Tensor> rootList(const char* op, const char* list, const char* lists,
+                                   std::vector<std::vector<at::Tensor>>& given,
+                                   const at::Tensor& like, int root) const;
   // A 1-D copy of `t` in a buffer reused across calls (progress thread only).
   at::Tensor scratchCopy(const at::Tensor& t);
   void exchangeBytes(const uint8_t* blob, int64_t blobLen, std::vector<int64_t> sendOff,
@@ -182,6 +218,9 @@ class KaitianBackend : public c10d::Backend {
   // Used only by the collectives thread; one per device (events belong to one).
   std::unordered_map<c10::Device, std::unique_ptr<PinnedRing>> rings_;
   std::atomic<int64_t> stagedIn_{0}, stagedOut_{0};  // see stagedBytes()
+  ReduceMeter meter_;  // see reduceRate()
+  mutable std::mutex stripeMu_;
+  std::vector<int64_t> stripeWeights_;  // see setStripeWeights(); empty: even
   struct Gaps {
     std::vector<at::ScalarType> dtypes;
     std::vector<c10d::ReduceOp::RedOpType> ops;

@@ -52,15 +52,6 @@ c10::intrusive_ptr<c10d::Backend> optionalBackend(const py::object& o) {
   return o.cast<c10::intrusive_ptr<c10d::Backend>>();
 }
 
-// The shared-memory bridge's options (the TCP bridge's are MeshOptions).
-struct ShmBridgeOptions {
-  c10::intrusive_ptr<c10d::Store> store;  // where the node's ranks meet (a FileStore)
-  std::string name;                       // this rank's segment name
-  int64_t chunkBytes = 1 << 20;
-  std::vector<int64_t> pids;              // per rank: its pid if on this host and pid namespace, else -1
-  int64_t spinMicros = 50;
-};
-
 // `bridge`: ShmBridgeOptions or MeshOptions (TCP).
 c10::intrusive_ptr<KaitianBackend> createBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                  int size, int64_t timeoutMs, Layout layout,
@@ -80,8 +71,7 @@ c10::intrusive_ptr<KaitianBackend> createBackend(const c10::intrusive_ptr<c10d::
   } else {
     auto shm = bridge.cast<ShmBridgeOptions>();
     py::gil_scoped_release nogil;
-    made = std::make_unique<ShmBridge>(shm.store, rank, size, shm.name, shm.chunkBytes, std::move(shm.pids),
-                                       timeout, shm.spinMicros);
+    made = std::make_unique<ShmBridge>(rank, size, std::move(shm), timeout);
   }
   return remember(c10::make_intrusive<KaitianBackend>(rank, size, timeout, std::move(layout), devBackend,
                                                       cpuBackend, std::move(made)));
@@ -112,6 +102,10 @@ PYBIND11_MODULE(_C, m) {
       // The group's first failure once it is broken, else "" (kaitian.elastic tells a
       // lost peer from a script error by it).
       .def("first_failure", &KaitianBackend::firstFailure)
+      // Stripe weights of the cross-group reduction (kaitian.backend.stripes).
+      .def("set_stripe_weights", &KaitianBackend::setStripeWeights, py::arg("weights"))
+      .def("stripe_weights", &KaitianBackend::stripeWeights)
+      .def("reduce_rate", &KaitianBackend::reduceRate)
       .def("kaitian_shutdown", &KaitianBackend::shutdown,
            py::call_guard<py::gil_scoped_release>())
 #if !KAITIAN_BACKEND_HAS_SET_TIMEOUT  // torch < 2.9 binds no Backend.set_timeout

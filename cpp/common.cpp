@@ -1,6 +1,8 @@
 // Op identities, the fail-stop state and the errors every wait raises.
 #include "common.hpp"
 
+#include <cstdio>
+
 #include <c10/core/ScalarType.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -72,6 +74,11 @@ std::string OpId::describe() const {
   }
   if (redop >= 0) {
     s += std::string(", ") + reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(redop));
+  }
+  if (stripes != 0) {
+    char digest[16];
+    std::snprintf(digest, sizeof(digest), "%08x", stripes);
+    s += std::string(", stripe weights #") + digest;
   }
   return s + ")";
 }

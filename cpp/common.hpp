@@ -45,11 +45,11 @@ struct OpId {
   int64_t bytes = 0;    // the size every rank must pass (the input of rank-symmetric ops)
   int64_t root = -1;    // root rank, -1 when none
   int32_t redop = -1;   // c10d::ReduceOp::RedOpType of reductions, -1 otherwise
-  int32_t pad = 0;
+  uint32_t stripes = 0; // all_reduce: digest of the stripe weights, 0 for even stripes
 
   bool sameCall(const OpId& o) const {
     return seq == o.seq && type == o.type && dtype == o.dtype && bytes == o.bytes &&
-           root == o.root && redop == o.redop;
+           root == o.root && redop == o.redop && stripes == o.stripes;
   }
   // "all_reduce(float32, 32 B, SUM)", "broadcast(float32, 32 B, root 0)".
   std::string describe() const;

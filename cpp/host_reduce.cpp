@@ -4,6 +4,7 @@
 
 #include "compat.hpp"
 
+#include <chrono>
 #include <cstring>
 
 namespace kaitian {
@@ -113,6 +114,14 @@ at::Tensor view(const void* p, int64_t n, at::ScalarType dtype) {
 void Reducer::operator()(const std::vector<const void*>& srcs, int64_t count, void* dst0,
                          void* dst1) const {
   if (count == 0) return;
+  if (meter != nullptr) {
+    const auto start = std::chrono::steady_clock::now();
+    Reducer{op, dtype, divisor}(srcs, count, dst0, dst1);
+    meter->nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - start).count();
+    meter->elements += count;
+    return;
+  }
   const size_t esize = c10::elementSize(dtype);
   if (srcs.size() == 1) {
     // A single contribution: only AVG changes it.

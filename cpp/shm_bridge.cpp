@@ -46,12 +46,14 @@ struct alignas(64) ShmEventWord {
 };
 
 namespace {
-constexpr uint64_t kMagic = 0x334e414954494b41ULL;  // "AKITIAN3"
+constexpr uint64_t kMagic = 0x344e414954494b41ULL;  // "AKITIAN4"
 // Chunk slots per segment: round t uses slot t % kSlots, so a fast rank can run
 // up to kSlots - 1 rounds ahead of the slowest reader.
 constexpr int64_t kSlots = 4;
 constexpr int64_t kMinMailbox = 4096;
 constexpr long kSleepNanos = 20 * 1000 * 1000;  // one futex sleep; checks in between
+// Yields before sleeping when the ranks outnumber the cores (instead of a spin).
+constexpr int kOversubscribedYields = 2;
 constexpr auto kAliveEvery = std::chrono::milliseconds(50);
 enum State : uint32_t { kRunning = 0, kBroken = 1, kClosed = 2 };
 
@@ -86,6 +88,14 @@ void futexWakeAll(std::atomic<uint32_t>* addr) {
 void wake(ShmEventWord& ev, bool always) {
   ev.seq.fetch_add(1, std::memory_order_seq_cst);
   if (always || ev.waiters.load(std::memory_order_seq_cst) > 0) futexWakeAll(&ev.seq);
+}
+
+// Cores this process may run on (its affinity mask), at least one.
+int usableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
 }
 
 bool pidAlive(int64_t pid) {
@@ -155,22 +165,23 @@ int64_t ShmBridge::segmentBytes(int size, int64_t chunkBytes) {
   return headerBytes(size) + kSlots * 2 * chunk + size * mailboxFor(size, chunk);
 }
 
-ShmBridge::ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                     const std::string& name, int64_t chunkBytes, std::vector<int64_t> pids,
-                     std::chrono::milliseconds timeout, int64_t spinMicros)
+ShmBridge::ShmBridge(int rank, int size, ShmBridgeOptions options,
+                     std::chrono::milliseconds timeout)
     : rank_(rank),
       size_(size),
-      pids_(std::move(pids)),
+      pids_(std::move(options.pids)),
       peers_(size),
-      spinMicros_(spinMicros),
+      spinMicros_(options.spinMicros),
+      oversubscribed_(size > usableCores()),
       deadAfter_(std::clamp<std::chrono::milliseconds>(timeout / 4, std::chrono::seconds(2),
                                                        std::chrono::seconds(15))),
       beats_(size) {
-  chunk_ = chunkFor(size, chunkBytes);
+  chunk_ = chunkFor(size, options.chunkBytes);
   mailbox_ = mailboxFor(size, chunk_);
   dataOff_ = headerBytes(size);
-  segBytes_ = segmentBytes(size, chunkBytes);
-  myName_ = name;
+  segBytes_ = segmentBytes(size, options.chunkBytes);
+  myName_ = options.name;
+  const auto& store = options.store;
   TORCH_CHECK(myName_.rfind("/kaitian-", 0) == 0 && myName_.find('/', 1) == std::string::npos,
               "kaitian: bad shared memory name ", myName_);
   const uid_t me = ::geteuid();
@@ -444,16 +455,26 @@ void ShmBridge::waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadli
                        : "rank " + std::to_string(watch) + "'s " + what);
     return false;
   };
-  // Short spin: a peer in the same collective usually arrives within microseconds.
-  const auto spinUntil = Clock::now() + std::chrono::microseconds(spinMicros_);
-  for (int i = 0;; ++i) {
-    if (ready()) return;
-    KAITIAN_CPU_RELAX();
-    if ((i & 127) == 127) {
-      if (Clock::now() >= spinUntil) break;
-      if ((i & 4095) == 4095) {
-        sched_yield();  // let a descheduled peer run
-        if (checks()) return;
+  if (oversubscribed_) {
+    // More ranks than cores: the peer we wait for most likely waits for our
+    // core. Spinning would keep it from running; hand the core over a few
+    // times, then sleep.
+    for (int i = 0; i < kOversubscribedYields && spinMicros_ > 0; ++i) {
+      sched_yield();
+      if (ready()) return;
+    }
+  } else {
+    // Short spin: a peer in the same collective usually arrives within microseconds.
+    const auto spinUntil = Clock::now() + std::chrono::microseconds(spinMicros_);
+    for (int i = 0;; ++i) {
+      if (ready()) return;
+      KAITIAN_CPU_RELAX();
+      if ((i & 127) == 127) {
+        if (Clock::now() >= spinUntil) break;
+        if ((i & 4095) == 4095) {
+          sched_yield();  // let a descheduled peer run
+          if (checks()) return;
+        }
       }
     }
   }
@@ -532,16 +553,16 @@ void ShmBridge::checkRound(int peer, uint64_t t, Kind kind, const Deadline& dl) 
                 dl.id.describe() + " (the ranks' op sequences diverged)");
 }
 
-uint64_t ShmBridge::beginRound(const Deadline& dl) {
-  const uint64_t t = round_;
-  if (t >= static_cast<uint64_t>(kSlots)) {
-    for (int s = 0; s < size_; ++s) {
-      if (s != rank_) {
-        waitAtLeast(s, peers_[s].hdr->gathered.v, t - kSlots + 1, dl, "previous round");
-      }
-    }
+void ShmBridge::awaitSlot(uint64_t t, const Deadline& dl) {
+  if (t < static_cast<uint64_t>(kSlots)) return;
+  for (int s = 0; s < size_; ++s) {
+    if (s != rank_) waitAtLeast(s, peers_[s].hdr->gathered.v, t - kSlots + 1, dl, "previous round");
   }
-  return t;
+}
+
+uint64_t ShmBridge::beginRound(const Deadline& dl) {
+  awaitSlot(round_, dl);
+  return round_;
 }
 
 void ShmBridge::endRound(uint64_t t) {
@@ -575,39 +596,67 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
   auto* base = static_cast<uint8_t*>(spec.buf.data_ptr());
   const int myG = spec.groupOf[rank_];
   const Range pubRange = publishRange(spec, rank_);
-  const Range mine = spec.stripes[rank_];
   auto* hdr = peers_[rank_].hdr;
-  std::vector<const void*> srcs;
-  auto gatherChunk = [&](const Range& chunk, uint64_t t) {
-    if (!spec.gather) return;
-    for (int s = 0; s < size_; ++s) {
-      if (s == rank_) continue;
-      const Range r = spec.stripes[s].intersect(chunk);
-      if (r.size() == 0) continue;
-      waitAtLeast(s, peers_[s].hdr->reduced.v, t + 1, dl, "reduced stripe");
-      checkRound(s, t, kReduce, dl);
-      std::memcpy(base + r.begin * es, outArea(s, t) + (r.begin - chunk.begin) * es, r.size() * es);
+  // Round first + k carries slice k of every rank's stripe (slices laid out in
+  // rank order in a slot), so that every rank publishes, reduces and gathers a
+  // share of every round. (Whole stripes in buffer order left one rank
+  // reducing each round while the others waited: the work did not spread
+  // over the ranks' cores.) The slices of a round fit one chunk.
+  int64_t striped = 0;
+  for (const Range& r : spec.stripes) striped += r.size();
+  const int64_t perRound = std::max<int64_t>(1, ce - size_);  // slices round up by < 1 element each
+  const int64_t rounds = n == 0 ? 0 : std::max<int64_t>(1, (striped + perRound - 1) / perRound);
+  const uint64_t first = round_;
+  std::vector<Range> slice(size_);
+  std::vector<int64_t> offset(size_);
+  auto layout = [&](int64_t k) {
+    int64_t off = 0;
+    for (int r = 0; r < size_; ++r) {
+      const Range part = evenPart(spec.stripes[r].size(), rounds, k);
+      slice[r] = Range{spec.stripes[r].begin + part.begin, spec.stripes[r].begin + part.end};
+      offset[r] = off;
+      off += slice[r].size();
     }
   };
-  bool havePrev = false;
-  Range prevChunk;
-  uint64_t prevRound = 0;
-  for (int64_t c0 = 0; c0 < n; c0 += ce) {
-    const Range chunk{c0, std::min(n, c0 + ce)};
-    const uint64_t t = beginRound(dl);
+  // 1. Publish the part of our group's partial that other groups' reducers need.
+  auto publish = [&](int64_t k) {
+    const uint64_t t = first + k;
+    awaitSlot(t, dl);
+    layout(k);
     uint8_t* in = inArea(rank_, t);
-    // 1. Publish the part of our group's partial that other groups' reducers need.
-    const Range pub = pubRange.intersect(chunk);
-    for (const Range& piece : {Range{pub.begin, std::min(pub.end, mine.begin)},
-                               Range{std::max(pub.begin, mine.end), pub.end}}) {
+    for (int r = 0; r < size_; ++r) {
+      if (spec.groupOf[r] == myG) continue;  // reduces our group's partial from its own buf
+      const Range piece = pubRange.intersect(slice[r]);
       if (piece.size() > 0) {
-        std::memcpy(in + (piece.begin - c0) * es, base + piece.begin * es, piece.size() * es);
+        std::memcpy(in + (offset[r] + piece.begin - slice[r].begin) * es, base + piece.begin * es,
+                    piece.size() * es);
       }
     }
     publishRound(t, kReduce, dl);
     hdr->pub.v.store(t + 1, std::memory_order_release);
     signal();
-    if (c0 == 0) {
+  };
+  // 3. Copy the peers' reduced slices of round k into buf.
+  auto gather = [&](int64_t k) {
+    if (!spec.gather) return;
+    const uint64_t t = first + k;
+    layout(k);
+    for (int s = 0; s < size_; ++s) {
+      if (s == rank_ || slice[s].size() == 0) continue;
+      waitAtLeast(s, peers_[s].hdr->reduced.v, t + 1, dl, "reduced stripe");
+      checkRound(s, t, kReduce, dl);
+      std::memcpy(base + slice[s].begin * es, outArea(s, t), slice[s].size() * es);
+    }
+  };
+  // Each round's data is published one round ahead of its reduction and
+  // gathered one round after it, so a rank waits only for a peer a whole
+  // round behind, not for every peer at every round's start.
+  std::vector<const void*> srcs;
+  if (rounds > 0) publish(0);
+  for (int64_t k = 0; k < rounds; ++k) {
+    const uint64_t t = first + k;
+    if (k + 1 < rounds) publish(k + 1);
+    if (k == 0) {
       // Every rank checks every peer's first round, so that each of them
       // raises if any rank is in another collective.
       for (int s = 0; s < size_; ++s) {
@@ -616,11 +665,13 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
         checkRound(s, t, kReduce, dl);
       }
     }
-    // 2. Reduce our stripe: own partial from buf, other groups' from their owners.
-    const Range red = mine.intersect(chunk);
-    int64_t x = red.begin;
-    while (x < red.end) {
-      int64_t y = red.end;
+    // 2. Reduce our slice: own partial from buf, other groups' from their owners.
+    layout(k);
+    const Range mine = slice[rank_];
+    const int64_t myOff = offset[rank_];
+    int64_t x = mine.begin;
+    while (x < mine.end) {
+      int64_t y = mine.end;
       srcs.assign(1, base + x * es);
       for (int g = 0; g < static_cast<int>(spec.groups.size()); ++g) {
         if (g == myG) continue;
@@ -628,28 +679,23 @@ void ShmBridge::reduce(ReduceSpec& spec, const Deadline& dl) {
         y = std::min(y, stripe.end);
         waitAtLeast(owner, peers_[owner].hdr->pub.v, t + 1, dl, "published data");
         checkRound(owner, t, kReduce, dl);
-        srcs.push_back(inArea(owner, t) + (x - c0) * es);
+        srcs.push_back(inArea(owner, t) + (myOff + x - mine.begin) * es);
       }
       spec.reducer(srcs, y - x, base + x * es,
-                   spec.gather ? outArea(rank_, t) + (x - c0) * es : nullptr);
+                   spec.gather ? outArea(rank_, t) + (x - mine.begin) * es : nullptr);
       x = y;
     }
     hdr->reduced.v.store(t + 1, std::memory_order_release);
     signal();
-    // 3. Collect the previous chunk's results: one round of slack for the peers.
-    if (havePrev) {
-      gatherChunk(prevChunk, prevRound);
+    if (k > 0) {
+      gather(k - 1);
       hdr->gathered.v.store(t, std::memory_order_release);  // rounds < t are done
       signal();
     }
-    havePrev = true;
-    prevChunk = chunk;
-    prevRound = t;
-    round_ = t + 1;
   }
-  if (havePrev) {
-    gatherChunk(prevChunk, prevRound);
-    endRound(prevRound);
+  if (rounds > 0) {
+    gather(rounds - 1);
+    endRound(first + rounds - 1);
   }
 }
 

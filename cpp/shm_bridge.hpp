@@ -21,16 +21,23 @@ namespace kaitian {
 struct ShmSegmentHeader;
 struct ShmEventWord;
 
+// The shared-memory bridge's options (the TCP bridge's are MeshOptions).
+struct ShmBridgeOptions {
+  c10::intrusive_ptr<c10d::Store> store;  // where peers meet (a FileStore in the run directory)
+  // This rank's segment name, unique and unguessable per process group
+  // instance (it carries the pid so a later start can collect it if this
+  // process is killed before unlinking).
+  std::string name;
+  int64_t chunkBytes = 1 << 20;
+  // Per rank: its pid when it shares our pid namespace, else -1 (its heartbeat
+  // tells whether it lives).
+  std::vector<int64_t> pids;
+  int64_t spinMicros = 50;  // spin before sleeping on a futex (KAITIAN_SPIN_US)
+};
+
 class ShmBridge : public Bridge {
  public:
-  // `store` is where peers meet (a FileStore in the run directory); `name` is this
-  // rank's segment name, unique and unguessable per process group instance (it
-  // carries the pid so a later start can collect it if this process is killed
-  // before unlinking); `pids[r]` is rank r's pid when it shares our pid
-  // namespace (else -1: its heartbeat tells whether it lives).
-  ShmBridge(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const std::string& name,
-            int64_t chunkBytes, std::vector<int64_t> pids, std::chrono::milliseconds timeout,
-            int64_t spinMicros);
+  ShmBridge(int rank, int size, ShmBridgeOptions options, std::chrono::milliseconds timeout);
   ~ShmBridge() override;
 
   std::string kind() const override { return "shm"; }
@@ -85,6 +92,8 @@ class ShmBridge : public Bridge {
   void beginCall(const Deadline& dl);
   void publishRound(uint64_t t, Kind kind, const Deadline& dl);
   void checkRound(int peer, uint64_t t, Kind kind, const Deadline& dl);
+  // Waits until every peer is done with round t's slot's previous use.
+  void awaitSlot(uint64_t t, const Deadline& dl);
   uint64_t beginRound(const Deadline& dl);
   void endRound(uint64_t t);
   void heartbeatLoop();
@@ -100,6 +109,7 @@ class ShmBridge : public Bridge {
   uint64_t calls_ = 0;  // collective bridge calls done; identical on every rank
   uint64_t publishedSeq_ = 0;  // the collective last published in our header
   int64_t spinMicros_;  // spin before sleeping on a futex (KAITIAN_SPIN_US)
+  bool oversubscribed_;  // more ranks on this host than cores we may use: yield, do not spin
   std::chrono::milliseconds deadAfter_;  // a heartbeat this old means dead
   std::mutex beatMu_;
   std::vector<Beat> beats_;

@@ -15,6 +15,13 @@ Example::
     kaitian bench collectives --ops allreduce --sizes 4K,64M --iters 50
     kaitian bench collectives --nproc 4 --groups 2 --bridge tcp
     kaitian bench collectives --memory 2,4,8,16          # shared memory per group and per process
+    kaitian bench collectives --nproc 4 --cpu-quota 1,0.1 --stripes weighted --ops allreduce
+
+``--cpu-quota`` gives each group a share of CPU time, as ``kaitianrun
+--cpu-quota`` does (a slow simulated device). ``--stripes weighted`` also times
+kaitian with stripe weights from ``kaitian.backend.stripes.balance_stripes``
+(each rank's stripe of the cross-group reduction in proportion to its measured
+host reduce speed, set after the warm-up), beside even stripes and gloo.
 
 ``--memory`` starts one job per world size instead of timing: after a 64 MiB
 all_reduce and a point-to-point ring (so the collective slots and mailboxes
@@ -222,6 +229,24 @@ def _worker(args: argparse.Namespace) -> int:
                 samples[name].append(slowest((time.perf_counter() - start) / per_round))
         return {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
 
+    weights = None
+    if args.stripes == "weighted":
+        from kaitian.backend import stripes
+
+        # the speeds: host reductions of a few warm-up all_reduces
+        warm = torch.ones(4 << 20)
+        for _ in range(3):
+            dist.all_reduce(warm)
+        weights = stripes.balance_stripes(min_spread=1.0)
+        if rank == 0:
+            print(f"stripe weights from measured reduce speeds: {weights}", flush=True)
+
+    def with_weights(fn, w):
+        def call():  # every rank sets them at the same call, as balance_stripes requires
+            stripes.set_stripe_weights(w)
+            fn()
+        return call
+
     for op in args.ops:
         for nbytes in args.sizes:
             elems = max(1, nbytes // 4)
@@ -230,6 +255,9 @@ def _worker(args: argparse.Namespace) -> int:
             fns = {}
             for name, group in (("kaitian", None), ("gloo", gloo)):
                 fns[name], size = _make_op(op, elems, n, group)
+            if weights is not None:
+                fns["weighted"] = with_weights(fns["kaitian"], weights)
+                fns["kaitian"] = with_weights(fns["kaitian"], None)
             for name, sec in timed_pair(fns, iters).items():
                 row[name] = {"seconds": sec, "busbw": bus_bandwidth(op, size, sec, n)}
             results.append(row)
@@ -334,6 +362,10 @@ def _print_row(row: dict) -> None:
     print(f"{row['op']:<15}{_fmt_size(row['bytes']):>10}  {kt['seconds'] * 1e6:>11.1f}{kt['busbw']:>8.2f}  "
           f"{gl['seconds'] * 1e6:>10.1f}{gl['busbw']:>8.2f}  {kt['seconds'] / gl['seconds']:>11.3f}"
           f"{kt['busbw'] / gl['busbw']:>10.2f}x", flush=True)
+    if "weighted" in row:
+        wt = row["weighted"]
+        print(f"{'  weighted':<25}  {wt['seconds'] * 1e6:>11.1f}{wt['busbw']:>8.2f}  "
+              f"{'(even/weighted time ' + format(kt['seconds'] / wt['seconds'], '.2f') + 'x)':>18}", flush=True)
 
 
 def _print_ddp_and_targets(results: List[dict], ddp: Optional[dict]) -> None:
@@ -389,6 +421,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ddp-batch", type=int, default=64, help="DDP batch per rank")
     ap.add_argument("--bridge", choices=("auto", "shm", "tcp"), default=None, help="sets KAITIAN_BRIDGE for the ranks")
     ap.add_argument("--intra", choices=("auto", "gloo", "shm"), default=None, help="sets KAITIAN_INTRA for the ranks")
+    ap.add_argument("--cpu-quota", default=None, metavar="Q0,Q1,...",
+                    help="cores of CPU time per group, as kaitianrun --cpu-quota (e.g. 1,0.1)")
+    ap.add_argument("--stripes", choices=("even", "weighted"), default="even",
+                    help="weighted: also time kaitian with stripes weighted by measured reduce speed")
     ap.add_argument("--backend", default="kaitian",
                     help="backend measured against gloo (default kaitian; 'gloo' checks the bench itself)")
     ap.add_argument("--json", default="", help="also write the numbers to this JSON file")
@@ -418,6 +454,18 @@ def _validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(str(e))
     if not args.sizes:
         ap.error("--sizes is empty")
+    if args.cpu_quota is not None:
+        from kaitian.errors import PlanError
+        from kaitian.launcher.plan import parse_cpu_quota
+
+        try:
+            args.quotas = parse_cpu_quota(args.cpu_quota)
+        except PlanError as e:
+            ap.error(str(e))
+        if len(args.quotas) != args.groups:
+            ap.error(f"--cpu-quota has {len(args.quotas)} values for {args.groups} groups")
+    if args.stripes == "weighted" and args.backend != "kaitian":
+        ap.error("--stripes weighted measures backend kaitian")
     if args.iters < 0 or args.ddp_steps < 0:
         ap.error("--iters and --ddp-steps must not be negative")
     if args.memory:
@@ -472,6 +520,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _launch(args, args.nproc, args.groups, base_argv)
 
 
+class _Quota:
+    """``--cpu-quota``: each group's ranks get its cores of CPU time (cgroup, or a SIGSTOP duty cycle)."""
+
+    def __init__(self, quotas: List[float], run: str) -> None:
+        from kaitian.launcher.runtimes.cpu_limits import CgroupQuota, DutyCycle, quota_mode
+
+        self.quotas = quotas
+        self.cgroups = CgroupQuota(run) if quota_mode(Settings.from_env().cpu_quota_mode) == "cgroup" else None
+        self.duty = None if self.cgroups else DutyCycle()
+        for g, cores in enumerate(quotas):
+            if self.cgroups:
+                self.cgroups.set_quota(f"cpu{g}", cores)
+
+    def add(self, group: int, pid: int) -> None:
+        if self.cgroups:
+            self.cgroups.add(f"cpu{group}", pid)
+        else:
+            self.duty.add([pid], self.quotas[group])
+
+    def remove(self) -> None:
+        if self.cgroups:
+            self.cgroups.remove()
+        else:
+            self.duty.release()
+
+
 def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List[str]) -> int:
     """Starts ``nproc`` ranks of this module (rank 0 prints) and waits for them."""
     workdir = tempfile.mkdtemp(prefix="kaitian-bench-")
@@ -479,6 +553,7 @@ def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List
     port = _free_port()
     procs: List[subprocess.Popen] = []
     groups_desc = [f"cpu{_group_of(r, nproc, groups)}" for r in range(nproc)]
+    quota = _Quota(args.quotas, f"bench.{os.getpid()}") if getattr(args, "quotas", None) else None
     try:
         for rank in range(nproc):
             # what kaitianrun --cpu-groups would give the rank (bench convention: torchrun's environment)
@@ -490,6 +565,8 @@ def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List
             cmd = [sys.executable, "-m", "kaitian.bench.collectives", *worker_argv, "--worker"]
             procs.append(subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else subprocess.DEVNULL,
                                           start_new_session=True))
+            if quota:
+                quota.add(_group_of(rank, nproc, groups), procs[-1].pid)
         deadline = time.monotonic() + args.timeout
         while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -503,6 +580,8 @@ def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List
     except KeyboardInterrupt:
         return 130
     finally:
+        if quota:
+            quota.remove()
         for p in procs:
             if p.poll() is None:
                 try:
