@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["WEIGHT_SCALE", "balance_stripes", "kaitian_backend", "reduce_speed", "set_stripe_weights",
-           "stripe_weights"]
+           "stripe_weights", "weights_for"]
 
 # Weights are integers (identical bit for bit on every rank); speeds become
 # parts of this total.
@@ -93,10 +93,15 @@ def balance_stripes(group: Optional[dist.ProcessGroup] = None, min_spread: float
     world = dist.get_world_size(group)
     gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(gathered, speeds, group=group)
-    values = [float(s) for s in gathered]
-    weights: Optional[List[int]] = None
-    if min(values) > 0 and max(values) / min(values) >= min_spread:
-        total = sum(values)
-        weights = [max(1, round(v / total * WEIGHT_SCALE)) for v in values]
+    weights = weights_for([float(s) for s in gathered], min_spread)
     set_stripe_weights(weights, group)
     return weights
+
+
+def weights_for(speeds: Sequence[float], min_spread: float = 1.25) -> Optional[List[int]]:
+    """Integer stripe weights in proportion to ``speeds`` (every rank's, the same list on every rank);
+    ``None`` (even stripes) where they are within ``min_spread`` of each other or one is unknown (0)."""
+    if not speeds or min(speeds) <= 0 or max(speeds) / min(speeds) < min_spread:
+        return None
+    total = sum(speeds)
+    return [max(1, round(v / total * WEIGHT_SCALE)) for v in speeds]

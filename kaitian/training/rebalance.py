@@ -72,6 +72,8 @@ class RebalanceDecision:
         exchange_s: the gradient exchange's time across vendor groups used in the prediction.
         within_s: per vendor group, the exchange's time among its ranks alone (as measured).
         groups: each rank's vendor group (the keys of ``within_s``).
+        stripes: the trainers' stripe weights of the all_reduce across groups from this round on
+            (in proportion to each one's host reduce speed; ``None``: even).
         predicted_s: the predicted step time of ``new``.
         measured_s: the mean step time measured since the last round (this rank's clock).
     """
@@ -86,6 +88,7 @@ class RebalanceDecision:
     exchange_s: float = 0.0
     within_s: Dict[str, float] = field(default_factory=dict)
     groups: List[str] = field(default_factory=list)
+    stripes: Optional[List[int]] = None
     predicted_s: float = 0.0
     measured_s: float = 0.0
 
@@ -227,6 +230,7 @@ class Rebalancer:
         self._known_caps: List[Optional[int]] = [None] * self.world
         self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
         self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
+        self._reduce_speeds: List[float] = []  # every trainer's host reduce speed, as of the last round
         model.use_sampler(self.sampler)
         self._device = model.device
         self.world_group = group if group is not None else model.process_group
@@ -429,11 +433,12 @@ class Rebalancer:
             self._switch = None
             self._tell_spares(old, new)
             self._train_in(staying)
+        stripes = self._weigh_stripes() if staying == training else None
         decision_record = RebalanceDecision(
             step=self._step, epoch=self.sampler.epoch, per_sample_s=[c.per_sample_s for c in costs],
             old=old, new=new, applied=applied, fixed_s=[c.fixed_s for c in costs],
             exchange_s=self._exchange_s, within_s=dict(self._within_s), groups=list(self._vendor_groups),
-            predicted_s=predicted, measured_s=measured,
+            stripes=stripes, predicted_s=predicted, measured_s=measured,
         )
         self.history.append(decision_record)
         self._fit_window_done()
@@ -448,6 +453,22 @@ class Rebalancer:
         )
         return decision_record
 
+    def _weigh_stripes(self) -> Optional[List[int]]:
+        """The trainers' all_reduce across vendor groups gives each a stripe in proportion to its
+        measured host reduce speed (exchanged in this round: the same weights on every trainer,
+        set at the same point of their collectives); even stripes within one group or speeds alike."""
+        group = self.group
+        if len({self._vendor_groups[r] for r, n in enumerate(self.sampler.split) if n > 0}) < 2:
+            return None
+        try:
+            from kaitian.backend.stripes import set_stripe_weights, weights_for
+
+            weights = weights_for(self._reduce_speeds)
+            set_stripe_weights(weights, group)
+        except ValueError:  # not backend kaitian (torch's DDP over gloo, say): its reduction is its own
+            return None
+        return weights
+
     def _fit_window_done(self) -> None:
         self._comm, self._busy = [0.0, 0], [0.0, 0]
 
@@ -460,7 +481,7 @@ class Rebalancer:
         busy = self._busy[0] / self._busy[1] if self._busy[1] else -1.0
         own = [cost.fixed_s, cost.per_sample_s, comm, busy,
                float(self._own_cap) if self._own_cap is not None else 0.0,
-               self._ahead() if self.sampler.local_batch_size > 0 else 0.0]
+               self._ahead() if self.sampler.local_batch_size > 0 else 0.0, _reduce_speed(group)]
         table = gather_per_rank(own, group, self._device)
         caps: List[Optional[int]] = list(self._known_caps)
         for r, row in zip(ranks, table):
@@ -474,6 +495,7 @@ class Rebalancer:
         comms = [row[2] for row in table if row[2] >= 0]
         steps = [row[3] for row in table if row[3] >= 0]
         ahead = [int(row[5]) for row in table]
+        self._reduce_speeds = [row[6] for row in table]
         return costs, (min(comms) if comms else None), caps, (max(steps) if steps else 0.0), ahead
 
     def _say_why(self, decision, old: List[int], costs: List[StepCost]) -> None:
@@ -670,6 +692,16 @@ class Rebalancer:
 
 
 _MAX_SKELETON = 1 << 30  # bytes of a state's structure (its tensors travel apart)
+
+
+def _reduce_speed(group: dist.ProcessGroup) -> float:
+    """This rank's host reduce speed on backend kaitian (elements per second; 0: unknown)."""
+    from kaitian.backend.stripes import reduce_speed
+
+    try:
+        return reduce_speed(group)
+    except ValueError:
+        return 0.0
 
 
 def _message_key(rank: int) -> str:

@@ -47,13 +47,16 @@ def test_unequal_batches_match_single_process_training(tmp_path, nproc):
 @pytest.mark.parametrize("every", ["epoch"])  # step-driven rounds: test_rebalance_online.py
 def test_rebalancing_moves_samples_from_a_slower_rank(tmp_path, every):
     out = tmp_path / "rebalance.json"
-    # rank 1 does its hidden layer 3 more times per sample: about 4x the compute
-    _launch(2, "rebalance_run.py", BACKEND, 1, 3, out, every)
+    # rank 1 does its hidden layer 3 more times per sample (about 4x the compute) and reports
+    # a host reduce speed of a third of rank 0's (the worker's stand-in: a CPU quota does not
+    # slow a reduction shorter than the quota's period, so it cannot make one measurably slower)
+    _launch(2, "rebalance_run.py", BACKEND, 1, 3, out, every, "slow-reduce")
     ranks = json.loads(out.read_text())
     first = ranks[0]
     for r in ranks:
         assert r["history"] == first["history"], "ranks disagree on the split"
         assert r["final_split"] == first["final_split"]
+        assert r["stripes"] == first["stripes"], "ranks disagree on the stripes"
         assert len(set(r["steps"])) == 1, "steps per epoch changed"
     assert first["steps"][0] == ranks[1]["steps"][0]
     fast, slow = first["final_split"]
@@ -65,6 +68,10 @@ def test_rebalancing_moves_samples_from_a_slower_rank(tmp_path, every):
     if every != "epoch":  # changes land within epochs: more rounds than epoch boundaries
         assert len(first["history"]) >= 8
         assert len(set(first["sizes"][:16])) > 1
+    # the stripes follow the ranks' reduce speeds (exchanged in each round): rank 1 reduces a quarter
+    # of each all_reduce, and the backend uses those weights
+    assert first["stripes"] == [[49152, 16384]] * len(first["history"]), first["stripes"]
+    assert first["weights_in_use"] == [49152, 16384]
     for step_cost, old, new, applied in first["history"]:
         assert step_cost[1] > step_cost[0]  # it saw the slow rank (its step at 64 samples costs more)
         if applied:

@@ -1,6 +1,6 @@
 """Worker: re-balancing moves samples away from a rank made slower by real compute.
 
-``rebalance_run.py BACKEND SLOW_RANK EXTRA OUT.json [EVERY]``: rank SLOW_RANK runs its
+``rebalance_run.py BACKEND SLOW_RANK EXTRA OUT.json [EVERY] [slow-reduce]``: rank SLOW_RANK runs its
 hidden layer EXTRA more times per sample (real forward + backward work,
 multiplied by zero so the gradients stay exact - no sleep). Every rank writes
 its re-balancing history; rank 0 writes all of them to OUT.json.
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import kaitian
+import kaitian.backend.stripes
 from support.worker_env import end_process_group
 
 
@@ -39,6 +40,10 @@ def main():
     backend, slow_rank, extra, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     every = sys.argv[5] if len(sys.argv) > 5 else None
     every = int(every) if every not in (None, "epoch") else every
+    if "slow-reduce" in sys.argv[6:]:  # rank SLOW_RANK reports a third of the host reduce speed
+        import kaitian.training.rebalance as rebalance
+
+        rebalance._reduce_speed = lambda group: 1e9 / (3 if dist.get_rank() == slow_rank else 1)
     torch.set_num_threads(1)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -69,6 +74,8 @@ def main():
         # each rank's fitted step at the equal split's 64 samples, then the split change
         "history": [[[a + b * 64 for a, b in zip(d.fixed_s, d.per_sample_s)], d.old, d.new, d.applied]
                     for d in balancer.history],
+        "stripes": [d.stripes for d in balancer.history],
+        "weights_in_use": kaitian.backend.stripes.stripe_weights(model.training_group),
         "comm_s": sum(t.comm_s for t in model.step_timings),
         "compute_s": sum(t.compute_s for t in model.step_timings),
     }

@@ -265,6 +265,7 @@ def main(argv=None) -> int:
                     help="default: the collective + DDP selection; all: every test of the suite")
     ap.add_argument("-k", action="append", default=[], help="only tests whose name contains this (repeatable)")
     ap.add_argument("--tests", default="", help="comma list of exact test names (overrides --select)")
+    ap.add_argument("--shard", default="", help="I/N: only every N-th test of the selection, from the I-th (0-based)")
     ap.add_argument("--as-gloo", action="store_true",
                     help="run AS_GLOO_TESTS (gated on BACKEND == 'gloo' by the suite) on kaitian")
     ap.add_argument("--json", default="", help="write per-test outcomes here")
@@ -291,6 +292,9 @@ def main(argv=None) -> int:
         return 2
     if args.k:
         names = [n for n in names if any(k in n for k in args.k)]
+    if args.shard:
+        index, count = (int(v) for v in args.shard.split("/"))
+        names = sorted(names)[index::count]
     suite = unittest.TestSuite(TestKaitianSuite(n) for n in names)
     start = time.monotonic()
     runner = unittest.TextTestRunner(verbosity=1 if args.quiet else 2, resultclass=_Recorder, stream=sys.stdout)
