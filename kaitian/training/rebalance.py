@@ -230,7 +230,6 @@ class Rebalancer:
         self._known_caps: List[Optional[int]] = [None] * self.world
         self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
         self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
-        self._reduce_speeds: List[float] = []  # every trainer's host reduce speed, as of the last round
         model.use_sampler(self.sampler)
         self._device = model.device
         self.world_group = group if group is not None else model.process_group
@@ -391,7 +390,7 @@ class Rebalancer:
                 self.smoothing * fit.per_sample_s + (1 - self.smoothing) * old_cost.per_sample_s)
         old = self.sampler.split
         training = [r for r, n in enumerate(old) if n > 0]
-        costs, comm, caps, measured, ahead = self._exchange(training, self.group)
+        costs, comm, caps, measured, ahead, speeds = self._exchange(training, self.group)
         if comm is not None and len(training) > 1:
             groups = {self._vendor_groups[r] for r in training}
             if len(groups) == 1:
@@ -433,7 +432,7 @@ class Rebalancer:
             self._switch = None
             self._tell_spares(old, new)
             self._train_in(staying)
-        stripes = self._weigh_stripes() if staying == training else None
+        stripes = self._weigh_stripes(speeds) if staying == training else None
         decision_record = RebalanceDecision(
             step=self._step, epoch=self.sampler.epoch, per_sample_s=[c.per_sample_s for c in costs],
             old=old, new=new, applied=applied, fixed_s=[c.fixed_s for c in costs],
@@ -453,9 +452,9 @@ class Rebalancer:
         )
         return decision_record
 
-    def _weigh_stripes(self) -> Optional[List[int]]:
+    def _weigh_stripes(self, speeds: List[float]) -> Optional[List[int]]:
         """The trainers' all_reduce across vendor groups gives each a stripe in proportion to its
-        measured host reduce speed (exchanged in this round: the same weights on every trainer,
+        host reduce speed (``speeds``, exchanged in this round: the same weights on every trainer,
         set at the same point of their collectives); even stripes within one group or speeds alike."""
         group = self.group
         if len({self._vendor_groups[r] for r, n in enumerate(self.sampler.split) if n > 0}) < 2:
@@ -463,7 +462,7 @@ class Rebalancer:
         try:
             from kaitian.backend.stripes import set_stripe_weights, weights_for
 
-            weights = weights_for(self._reduce_speeds)
+            weights = weights_for(speeds)
             set_stripe_weights(weights, group)
         except ValueError:  # not backend kaitian (torch's DDP over gloo, say): its reduction is its own
             return None
@@ -475,7 +474,7 @@ class Rebalancer:
     def _exchange(self, ranks: List[int], group: dist.ProcessGroup):
         """The round's exchange among ``ranks`` (the world ranks of ``group``, in its rank order):
         every rank's fitted cost (a benched rank's: its last, kept by every rank), the exchange
-        time, the caps, the measured step and the loaders' leads, the same on every rank."""
+        time, the caps, the measured step, the loaders' leads and the host reduce speeds, the same on every rank."""
         cost = self._cost if self._cost is not None else StepCost(0.0, 0.0)
         comm = self._comm[0] / self._comm[1] if self._comm[1] else -1.0
         busy = self._busy[0] / self._busy[1] if self._busy[1] else -1.0
@@ -495,8 +494,8 @@ class Rebalancer:
         comms = [row[2] for row in table if row[2] >= 0]
         steps = [row[3] for row in table if row[3] >= 0]
         ahead = [int(row[5]) for row in table]
-        self._reduce_speeds = [row[6] for row in table]
-        return costs, (min(comms) if comms else None), caps, (max(steps) if steps else 0.0), ahead
+        speeds = [row[6] for row in table]
+        return costs, (min(comms) if comms else None), caps, (max(steps) if steps else 0.0), ahead, speeds
 
     def _say_why(self, decision, old: List[int], costs: List[StepCost]) -> None:
         """The first training rank logs each bench and call-back with its reason."""

@@ -39,19 +39,24 @@ def _replay(trained_by_rank, epochs):
     return [p.detach().reshape(-1).tolist() for p in net.parameters()], opt.param_groups[0]["lr"]
 
 
+def _run_bench_spare(layout, *flags):
+    """Runs workers/bench_spare.py on ``layout``; returns both ranks' reports and rank 0's log."""
+    run = run_ranks(layout, [worker("bench_spare"), *flags], timeout=180)
+    try:
+        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        r0, r1 = (json.load(open(out)) for out in run.outs)
+        return r0, r1, tail(run.logs[0], 1000)
+    finally:
+        cleanup(run)
+
+
 @pytest.mark.parametrize("devices", [("cpu", "cpu"), ("mlu", "cpu")], ids=["cpu+cpu", "fake-mlu+cpu"])
 def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_exact(devices):
     """On a fake MLU rank 0's state goes to the CPU spare from the device, and comes back to the
     device when rank 0 is benched in turn (the fake accelerator punishes a missing stream wait)."""
     if "mlu" in devices:
         pytest.importorskip("kaitian.testing._fake_accelerator", reason="the fake accelerator needs torch 2.13+")
-    run = run_ranks(Layout("1+1", devices=devices), [worker("bench_spare")], timeout=180)
-    try:
-        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
-        r0, r1 = (json.load(open(out)) for out in run.outs)
-        log0 = tail(run.logs[0], 1000)
-    finally:
-        cleanup(run)
+    r0, r1, log0 = _run_bench_spare(Layout("1+1", devices=devices))
     assert [r0["device"], r1["device"]] == list(devices)
     weights, lr = _replay([r0["trained"], r1["trained"]], epochs=7)
     for r in (r0, r1):  # the spare's copy too: it received the state at each epoch's end
@@ -69,15 +74,8 @@ def test_a_spare_called_back_to_train_beside_the_others_keeps_the_rounds_in_step
     is fast, and called back to train beside it once rank 0 costs 6 ms a sample (from epoch 2).
     The called-back rank took fewer steps than rank 0; rounds every 5 steps and rank 0's time
     votes must still come at the same steps on both (a round on one rank only breaks the group)."""
-    argv = [worker("bench_spare"), "--per-sample", "--slow0", "0.006", "--slow1", "0.004", "--every", "5",
-            "--epochs", "9"]
-    run = run_ranks(Layout("1+1"), argv, timeout=180)
-    try:
-        assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
-        r0, r1 = (json.load(open(out)) for out in run.outs)
-        log0 = tail(run.logs[0], 1000)
-    finally:
-        cleanup(run)
+    r0, r1, log0 = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.006", "--slow1", "0.004",
+                                    "--every", "5", "--epochs", "9")
     weights, lr = _replay([r0["trained"], r1["trained"]], epochs=9)
     for r in (r0, r1):
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
