@@ -62,18 +62,6 @@ def _doomed(net, out, procs):
     return next(h for h in reversed(net.hosts) if h.name not in ("h0", *stores))
 
 
-def _finish(procs, timeout=180):
-    outputs = []
-    for p in procs:
-        try:
-            output, _ = p.communicate(timeout=timeout)
-        except Exception:
-            p.kill()
-            output, _ = p.communicate()
-        outputs.append(output)
-    return outputs
-
-
 def _benched(out) -> bool:
     """Whether a step was trained with a rank benched (a zero in its split)."""
     for path in glob.glob(os.path.join(out, "steps-*.jsonl")):
@@ -102,7 +90,7 @@ def test_new_node_joins_the_running_job_wakes_a_spare_then_is_lost_and_the_other
         _wait(lambda: joiner() and os.path.getsize(out / f"steps-{joiner()[0]}.jsonl") > 0, procs)
         h2.kill()
         alive = procs[:2]
-        outputs = _finish(alive)
+        outputs = net.finish(alive, 180)
     assert [p.returncode for p in alive] == [0, 0], "\n-----\n".join(o[-4000:] for o in outputs)
     run = Run(0, "".join(outputs), str(out))
     steps = check_exact(run, epochs=6, global_batch=32)  # two launch workers x 16
@@ -133,7 +121,7 @@ def test_below_nnodes_min_the_job_cannot_go_on_and_says_why(tmp_path):
         doomed = _doomed(net, out, procs)
         doomed.kill()
         alive = [p for h, p in zip(net.hosts, procs) if h is not doomed]
-        outputs = _finish(alive)
+        outputs = net.finish(alive, 180)
     assert [p.returncode for p in alive] == [1], outputs[0][-4000:]
     assert "the job cannot go on: only 1 node(s) left, below --nnodes MIN=2" in outputs[0]
 
@@ -152,7 +140,7 @@ def test_the_workers_store_host_lost_the_job_cannot_go_on_and_says_why(tmp_path)
         doomed = next(h for h in net.hosts if h.name == store)
         doomed.kill()
         alive = [p for h, p in zip(net.hosts, procs) if h is not doomed]
-        outputs = _finish(alive)
+        outputs = net.finish(alive, 180)
     assert [p.returncode for p in alive] == [1], outputs[0][-4000:]
     worker_says = "kaitian elastic: the workers' store at " in outputs[0] and "is unreachable" in outputs[0]
     agent_says = "RendezvousConnectionError: The connection to the C10d store has failed" in outputs[0]

@@ -50,17 +50,9 @@ def _mix(slots, groups):
     return ["--cpu-slots", str(slots), "--cpu-groups", str(groups)]
 
 
-def _finish(procs, timeout=240):
+def _finish(net, procs, timeout=240):
     """Waits for every agent; returns their outputs (fails with them on a non-zero exit)."""
-    deadline = time.monotonic() + timeout
-    outs = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-        except Exception:
-            proc.kill()
-            out, _ = proc.communicate()
-        outs.append(out)
+    outs = net.finish(procs, timeout)
     codes = [p.returncode for p in procs]
     assert all(c == 0 for c in codes), f"agent exits {codes}:\n" + "\n-----\n".join(o[-6000:] for o in outs)
     return outs
@@ -108,7 +100,7 @@ def test_hosts_train_to_the_weights_of_one_process(tmp_path, mixes):
     with bed(len(mixes)) as net:
         procs = [_agent(h, "same", tmp_path, "--nnodes", str(len(mixes)), *_mix(*m), env=env)
                  for h, m in zip(net.hosts, mixes)]
-        _finish(procs)
+        _finish(net, procs)
     finals = _finals(tmp_path)
     world = sum(slots for slots, _ in mixes)
     assert sorted(finals) == list(range(world))
@@ -129,7 +121,7 @@ def test_host_joins_running_job(tmp_path):
         first = [_agent(h, "join", tmp_path, *common, extra=hold) for h in (h0, h1)]
         _wait_progress(tmp_path, first, lambda step, world: world == 2 and step >= 4)
         late = _agent(h2, "join", tmp_path, *common, extra=hold)
-        _finish([*first, late])
+        _finish(net, [*first, late])
     finals = _finals(tmp_path)
     assert sorted(finals) == [0, 1, 2]
     for info in finals.values():
@@ -153,7 +145,7 @@ def test_lost_host_that_held_the_worker_store(tmp_path):
         procs = [_agent(h, "leave", tmp_path, *common, rdzv_host="h2", sleep=0.3) for h in net.hosts]
         _wait_progress(tmp_path, procs, lambda step, world: world == 3 and step >= 3)
         h0.kill()
-        _finish(procs[1:])
+        _finish(net, procs[1:])
     finals = _finals(tmp_path)
     assert sorted(finals) == [0, 1]
     assert {f["host"] for f in finals.values()} == {"h1", "h2"}
@@ -175,7 +167,7 @@ def test_max_restarts_across_hosts(tmp_path):
         procs = [_agent(h, "restart", tmp_path, "--nnodes", "2", "--max-restarts", "1",
                         "--master-port", str(FIXED_STORE_PORT), *_mix(1, 1), extra=("--crash", "1:3"))
                  for h in net.hosts]
-        outs = _finish(procs)
+        outs = _finish(net, procs)
     assert {store for _, _, _, store in _progress(tmp_path)} == {f"h0:{FIXED_STORE_PORT}"}  # both attempts
     assert "planned crash at step 3" in outs[1]
     finals = _finals(tmp_path)
@@ -236,7 +228,7 @@ def test_plain_torchrun_orders_hosts_by_vendor(tmp_path):
                                   "--nproc-per-node", "2", "--rdzv-backend", "kaitian", "--rdzv-endpoint",
                                   f"h0:{RDZV_PORT}", "--rdzv-id", "plain", "--rdzv-conf", FAST_RDZV,
                                   worker("envdump"), str(out)], env=env))
-        _finish(procs)
+        _finish(net, procs)
     ranks = {h: sorted(int(json.load(open(p))["RANK"]) for p in glob.glob(str(tmp_path / h / "env.*.json")))
              for h in ("h0", "h1")}
     assert ranks == {"h1": [0, 1], "h0": [2, 3]}

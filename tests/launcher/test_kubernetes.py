@@ -112,13 +112,7 @@ def _run_pods(pods, tmp_path, timeout=240):
             env = agent_env(**pod.env)
             env["PATH"] = os.pathsep.join([str(tmp_path / f"{pod.name}-bin"), env["PATH"]])
             procs.append(host.popen(argv, env=env))
-        outs = []
-        for proc in procs:
-            try:
-                outs.append(proc.communicate(timeout=timeout)[0])
-            except Exception:
-                proc.kill()
-                outs.append(proc.communicate()[0])
+        outs = net.finish(procs, timeout)
     codes = [p.returncode for p in procs]
     assert codes == [0] * len(pods), f"pod exits {codes}:\n" + "\n-----\n".join(o[-2000:] for o in outs)
     return {pod.name: [json.load(open(f)) for f in sorted(glob.glob(str(tmp_path / pod.name / "env.*.json")))]

@@ -143,6 +143,29 @@ class Bed:
     hosts: List[Host]
     switch: str
 
+    def finish(self, procs: Sequence[subprocess.Popen], timeout: float) -> List[str]:
+        """Each process's output once all have exited (``timeout`` seconds for all).
+
+        One still running then is killed with everything on its host: its workers
+        hold its output pipe too, so killing it alone would leave the read hanging.
+        """
+        deadline = time.monotonic() + timeout
+        outs = []
+        for proc in procs:
+            try:
+                out = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+            except subprocess.TimeoutExpired:
+                host = next(h for h in self.hosts if proc in h.procs)
+                host.kill()
+                try:
+                    out = proc.communicate(timeout=30)[0]
+                except subprocess.TimeoutExpired as e:  # something off the host holds the pipe
+                    proc.kill()
+                    out = (e.output or b"").decode(errors="replace")
+                out += f"\n[still running after {timeout:.0f} s: killed with everything on {host.name}]"
+            outs.append(out)
+        return outs
+
 
 @contextlib.contextmanager
 def bed(count: int, subnet: Optional[int] = None, names: Sequence[str] = (),
