@@ -232,3 +232,16 @@ def test_plain_torchrun_orders_hosts_by_vendor(tmp_path):
     ranks = {h: sorted(int(json.load(open(p))["RANK"]) for p in glob.glob(str(tmp_path / h / "env.*.json")))
              for h in ("h0", "h1")}
     assert ranks == {"h1": [0, 1], "h0": [2, 3]}
+
+
+def test_an_agent_that_outlives_the_wait_is_ended_with_its_host(tmp_path):
+    """An agent still running at the deadline fails the test, it does not hang it:
+    its workers hold its output pipe, so the whole host is killed, not the agent alone."""
+    with bed(1) as net:
+        (h0,) = net.hosts
+        proc = h0.popen(["sh", "-c", "echo started; sleep 300 & sleep 300"], env=_env())
+        start = time.monotonic()
+        (out,) = net.finish([proc], timeout=2)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == -9
+    assert out.startswith("started\n") and "killed with everything on h0" in out, out
