@@ -11,9 +11,8 @@ import os
 from typing import List, Mapping, Optional, Tuple
 
 from kaitian.errors import ContainerLookupError, DockerOptionError, DockerUnavailableError, ImageNotFoundError
-from kaitian.launcher.runtimes.docker.labels import LABEL_HOST_MOUNTS, LABEL_PYTHON, label_filters
 from kaitian.launcher.runtimes.docker.options import Mount, parse_volume
-from kaitian.launcher.runtimes.docker.start import ImageInfo
+from kaitian.launcher.runtimes.docker.start import LABEL_HOST_MOUNTS, LABEL_PYTHON, ImageInfo
 
 __all__ = [
     "connect", "list_containers", "find_one", "remove_container", "is_not_found", "pid_namespace_of", "image_info",
@@ -116,7 +115,7 @@ def list_containers(client: object, labels: Mapping[str, str]) -> List[object]:
     not an error.
     """
     found = []
-    for summary in client.api.containers(all=True, filters=label_filters(labels)):
+    for summary in client.api.containers(all=True, filters={"label": [f"{k}={v}" for k, v in labels.items()]}):
         try:
             found.append(client.containers.get(summary["Id"]))
         except Exception as exc:  # noqa: BLE001

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -21,12 +22,11 @@ from typing import IO, TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, 
 
 from kaitian._torch import PContext, ProcessFailure, RunProcsResult, call_supported
 from kaitian.launcher.runtimes.docker.start import ExecSpec
-from kaitian.launcher.runtimes.docker.shell import stop_command
 
 if TYPE_CHECKING:
     from kaitian.launcher.runtimes.base import WorkerStart
 
-__all__ = ["DockerExecContext", "exit_code_from_docker"]
+__all__ = ["DockerExecContext", "exit_code_from_docker", "stop_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,13 @@ def exit_code_from_docker(code: Optional[int]) -> int:
     if 128 < code < 128 + 65:
         return -(code - 128)
     return code
+
+
+def stop_command(pgids: Iterable[int], sig_name: str) -> Tuple[str, ...]:
+    """Signals whole worker process groups inside a container; one already gone does not stop the others."""
+    sig = sig_name[3:] if sig_name.startswith("SIG") else sig_name
+    parts = [f"kill -s {shlex.quote(sig)} -- -{int(p)} 2>/dev/null || true" for p in pgids]
+    return ("sh", "-c", "; ".join(parts) or "true")
 
 
 class _Exec:

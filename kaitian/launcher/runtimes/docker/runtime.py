@@ -31,20 +31,17 @@ from kaitian._torch import PContext
 from kaitian.devices.device import ContainerDevices
 from kaitian.errors import DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.rundir import record_pid_namespace
+from kaitian.launcher.rundir import process_start_time, record_pid_namespace
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.docker.client import (
     connect, find_one, image_info, is_not_found, list_containers, pid_namespace_of, remove_container,
 )
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
-from kaitian.launcher.runtimes.docker.labels import (
-    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_GROUP, LABEL_KEEP, LABEL_MANAGED, LABEL_RUN_ID, LABEL_SPEC,
-    agent_identity, owner_alive,
-)
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
 from kaitian.launcher.runtimes.docker import start as start_module
 from kaitian.launcher.runtimes.docker.start import (
-    ContainerSpec, DockerHost, DockerStart, ExecSpec, ImageInfo, LogFiles, as_binary, choose_user,
+    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_GROUP, LABEL_KEEP, LABEL_MANAGED, LABEL_RUN_ID,
+    LABEL_SPEC, AgentIdentity, ContainerSpec, DockerHost, DockerStart, ExecSpec, ImageInfo, LogFiles, as_binary, choose_user,
     group_devices, groups_of, image_for,
 )
 
@@ -305,6 +302,21 @@ class DockerRuntime(Runtime):
         if pid_ns:
             record_pid_namespace(self.ctx.run_dir, pid_ns)
         return container.id
+
+
+def agent_identity() -> AgentIdentity:
+    """This agent's host, pid and process start time (labels its containers)."""
+    start = process_start_time(os.getpid())
+    return AgentIdentity(socket.gethostname(), os.getpid(), "0" if start is None else f"{start:.0f}")
+
+
+def owner_alive(labels: Dict[str, str]) -> bool:
+    """Whether the agent named in a container's labels still runs on this host."""
+    try:
+        start = process_start_time(int(labels.get(LABEL_AGENT_PID, "")))
+    except ValueError:
+        return False
+    return start is not None and f"{start:.0f}" == labels.get(LABEL_AGENT_START)
 
 
 def _root_log_dir(job: WorkerStart) -> Optional[str]:

@@ -34,19 +34,48 @@ from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
 from kaitian.errors import DockerOptionError
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.runtimes.docker.labels import (
-    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_GROUP, LABEL_KEEP, LABEL_MANAGED, LABEL_RUN_ID,
-    LABEL_SPEC, LABEL_VENDOR, AgentIdentity,
-)
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
-from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT
 from kaitian.settings import Settings
 
 __all__ = [
     "ContainerSpec", "ExecSpec", "DockerHost", "DockerStart", "ImageInfo", "LogFiles", "docker_start",
     "container_spec", "exec_spec", "container_env", "choose_user", "image_for", "group_devices", "groups_of",
-    "as_binary", "inside", "outermost",
+    "as_binary", "inside", "outermost", "AgentIdentity", "MAIN_TIED", "MAIN_KEPT", "WRAPPER_SCRIPT",
 ]
+
+# Labels are the only state kept outside the agent: a container's run, group, shape (spec) and owning
+# agent, so a later agent tells a live owner from a dead one. Image labels (`kaitian images build`):
+# host paths the image needs mounted at the same path, and its python.
+LABEL_MANAGED = "org.kaitian.managed"
+LABEL_RUN_ID = "org.kaitian.run-id"
+LABEL_VENDOR = "org.kaitian.vendor"
+LABEL_GROUP = "org.kaitian.group"
+LABEL_AGENT_HOST = "org.kaitian.agent-host"
+LABEL_AGENT_PID = "org.kaitian.agent-pid"
+LABEL_AGENT_START = "org.kaitian.agent-start"
+LABEL_KEEP = "org.kaitian.keep"
+LABEL_SPEC = "org.kaitian.spec"
+LABEL_HOST_MOUNTS = "org.kaitian.host-mounts"
+LABEL_PYTHON = "org.kaitian.python"
+
+# A run's container lives while the agent's stdin attach is open: when the agent dies, however, the
+# engine closes it, the container stops, its pid namespace dies and the engine removes it.
+MAIN_TIED = ("sh", "-c", "while read -r _; do :; done")
+MAIN_KEPT = ("sleep", "infinity")  # --keep-containers: outlives its agent
+# Every worker's exec: records its in-container pid (= its process group: an exec starts a session;
+# elsewhere setsid makes one without forking), writes straight to its log files when it has them (the
+# exec stream can drop a dying process's last lines), pins its cores, then becomes the worker (so the
+# exec's exit code is the worker's). POSIX sh only, so any image works.
+WRAPPER_SCRIPT = (
+    'pidfile=$0; cpus=$1; out=$2; err=$3; shift 3; '
+    'read -r _ _ _ _ pgrp _ < /proc/$$/stat; '
+    'echo $$ > "$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"; '
+    'if [ -n "$out" ]; then exec >>"$out"; fi; '
+    'if [ -n "$err" ]; then exec 2>>"$err"; fi; '
+    'if [ -n "$cpus" ] && command -v taskset >/dev/null 2>&1; then set -- taskset -c "$cpus" "$@"; fi; '
+    'if [ "$pgrp" != "$$" ]; then set -- setsid "$@"; fi; '
+    'exec "$@"'
+)
 
 # Capabilities root keeps when asked for (--container-user root): writing into
 # the agent's owner-only run and log directories. Other workers keep none.
@@ -65,6 +94,15 @@ _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 # `--run-path`: torchrun runs the script with runpy in the worker process; in a
 # container the same happens in the image's python.
 _RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    """The agent owning a container: host, pid and process start time (a recycled pid is not it)."""
+
+    host: str
+    pid: int
+    start: str
 
 
 def inside(path: str, directory: str) -> bool:
