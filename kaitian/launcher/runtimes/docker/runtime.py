@@ -267,7 +267,7 @@ class DockerRuntime(Runtime):
             return found.id
         import docker.errors
 
-        logger.info("creating container %s", spec.describe())
+        logger.info("creating container %s (%s, user %s)", spec.name, spec.image, spec.user)
         try:
             container = client.containers.create(**spec.create_kwargs())
         except docker.errors.ImageNotFound:
