@@ -187,13 +187,18 @@ class ExecSpec:
 
     local_rank: int
     group: str
-    cmd: Tuple[str, ...]
+    argv: Tuple[str, ...]  # the worker's program and arguments
+    cpus: str  # the cores it is pinned to ("": none)
     env: Mapping[str, str]
     workdir: str
     user: str
     pid_file: str  # where the wrapper writes the in-container pid
     stdout: str = ""
     stderr: str = ""
+
+    @property
+    def cmd(self) -> Tuple[str, ...]:
+        return ("sh", "-c", WRAPPER_SCRIPT, self.pid_file, self.cpus, self.stdout, self.stderr, *self.argv)
 
     def env_list(self) -> List[str]:
         return [f"{k}={v}" for k, v in self.env.items()]
@@ -259,7 +264,7 @@ class DockerStart:
             lines.append(f"- local_rank: {ex.local_rank}")
             lines += [f"  {k}: {json.dumps(v)}" for k, v in (
                 ("container", names[ex.group]), ("user", ex.user), ("workdir", ex.workdir),
-                ("argv", list(ex.cmd[7:])), ("cpus", ex.cmd[4]), ("pid_file", ex.pid_file), ("stdout", ex.stdout),
+                ("argv", list(ex.argv)), ("cpus", ex.cpus), ("pid_file", ex.pid_file), ("stdout", ex.stdout),
                 ("stderr", ex.stderr))]
             lines.append("  env:  # besides the agent's own")
             lines += [f"    {k}: {json.dumps(ex.env[k])}" for k in sorted(ex.env) if inherited.get(k) != ex.env[k]]
@@ -396,9 +401,9 @@ def exec_spec(
     cpus = format_cpulist(worker.cpus) if worker.cpus else ""
     mounted = [m.target for m in container.mounts]
     stdout, stderr = (path if path and any(inside(path, m) for m in mounted) else "" for path in (stdout, stderr))
-    cmd = ("sh", "-c", WRAPPER_SCRIPT, pid_file, cpus, stdout, stderr, program, *[str(a) for a in args])
-    return ExecSpec(local_rank=worker.local_rank, group=container.group, cmd=cmd, env=container_env(env, mounted),
-                    workdir=cwd, user=container.user, pid_file=pid_file, stdout=stdout, stderr=stderr)
+    return ExecSpec(local_rank=worker.local_rank, group=container.group, argv=(program, *[str(a) for a in args]),
+                    cpus=cpus, env=container_env(env, mounted), workdir=cwd, user=container.user, pid_file=pid_file,
+                    stdout=stdout, stderr=stderr)
 
 
 def docker_start(
