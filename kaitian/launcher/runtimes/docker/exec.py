@@ -101,7 +101,6 @@ class _Exec:
         self.exec_id: Optional[str] = None
         self.host_pid: Optional[int] = None
         self.exit_code: Optional[int] = None
-        self.error: Optional[BaseException] = None
         self.started = threading.Event()
         self.done = threading.Event()
         self._out = _Lines(stdout, sys.stdout.buffer, prefix.encode())
@@ -113,7 +112,7 @@ class _Exec:
 
     @property
     def code(self) -> Optional[int]:
-        """The exit code once it ended (1 if the Engine told none), else ``None``."""
+        """The exit code once it ended (1 if none is known), else ``None``."""
         return (1 if self.exit_code is None else self.exit_code) if self.done.is_set() else None
 
     def _run(self) -> None:
@@ -134,9 +133,7 @@ class _Exec:
                     self._err.write(err)
             # the streams end slightly before the Engine reports the exit
             self.exit_code = exit_code_from_docker(_wait_for(self._ended, 10.0, 0.02))
-        except BaseException as exc:  # noqa: BLE001 (reported as the worker's failure)
-            self.error = exc
-            self.exit_code = self.exit_code if self.exit_code is not None else 1
+        except BaseException as exc:  # noqa: BLE001 (reported as the worker's failure: exit code 1)
             logger.error("docker exec of local rank %s failed: %s", self.spec.local_rank, exc)
         finally:
             self._out.close()

@@ -52,20 +52,17 @@ def connect(client: object = None) -> object:
     if client is None and _default_client is not None:
         return _default_client
     where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-    denied = DockerUnavailableError(
-        f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
-        "(sudo usermod -aG docker $USER, then log in again) or run as root"
-    )
     fresh = client is None
     try:
         if fresh:
             client = docker.DockerClient.from_env(max_pool_size=64)
         client.ping()
-    except PermissionError:
-        raise denied from None
     except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
-        if "Permission denied" in str(exc) or isinstance(exc.__context__, PermissionError):
-            raise denied from None
+        if any(isinstance(e, PermissionError) for e in (exc, exc.__context__)) or "Permission denied" in str(exc):
+            raise DockerUnavailableError(
+                f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
+                "(sudo usermod -aG docker $USER, then log in again) or run as root"
+            ) from None
         raise DockerUnavailableError(
             f"cannot reach the Docker daemon at {where}: start it "
             "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
