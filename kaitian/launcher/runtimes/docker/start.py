@@ -106,18 +106,14 @@ def outermost(paths: Iterable[str]) -> List[str]:
 
 @dataclass(frozen=True)
 class ContainerSpec:
-    """One group's container on this node: its settings are its fields, and its digest covers them all
-    but ``IDENTITY``, which names its owner rather than shapes it (a kept container serves later runs).
-
-    ``cpu_shares`` (1024 per worker, so the group weighs what as many local processes would) is not a
-    reason to recreate it either: a worker restarted alone joins its group's running container.
-    ``cgroup_parent`` is the agent's own cgroup where the engine allows it, so containerised workers
-    compete as local ones do. A ``tied`` container lives only as long as its agent.
-    """
+    """One group's container on this node: its settings are its fields, and its digest covers all but
+    ``IDENTITY``, which names its owner rather than shapes it (a kept container serves later runs)."""
 
     group: str
     run_id: str
     agent: AgentIdentity
+    # 1024 per worker: the group weighs what as many local processes would. No reason to recreate
+    # it either: a worker restarted alone joins its group's running container.
     cpu_shares: int
     image: str
     vendor: str
@@ -125,10 +121,10 @@ class ContainerSpec:
     devices: ContainerDevices = field(default_factory=ContainerDevices)
     user: str = ROOT_USER
     capabilities: Tuple[str, ...] = ()
-    tied: bool = True
+    tied: bool = True  # lives only as long as its agent
     cpuset: Optional[str] = None
     cpu_quota: Optional[float] = None  # in cores
-    cgroup_parent: Optional[str] = None
+    cgroup_parent: Optional[str] = None  # the agent's own where allowed: workers compete as local ones
     shm_size: str = "2g"
 
     IDENTITY = ("group", "run_id", "agent", "cpu_shares")
