@@ -196,7 +196,7 @@ class DockerRuntime(Runtime):
     def shutdown(self) -> None:
         """Removes this run's containers unless ``--keep-containers``. Idempotent."""
         if not self.options.keep_containers:
-            for group, cid in self._containers.items():
+            for group, cid in list(self._containers.items()):
                 if _removed(lambda: remove_container(self.client.containers.get(cid)), f"container {cid[:12]}"):
                     logger.info("removed container of group %s", group)
         self._containers.clear()
