@@ -130,7 +130,7 @@ def _runtime_start_latency(args: argparse.Namespace, workdir: str, repeats: int 
 
 def _remove_kept(before: set) -> None:
     """Removes the containers this benchmark kept (not the user's)."""
-    from kaitian.launcher.runtimes.docker.client import connect
+    from kaitian.launcher.runtimes.docker.runtime import connect
 
     client = connect()
     for c in client.containers.list(all=True, filters={"label": ["org.kaitian.managed=1", "org.kaitian.keep=1"]}):
@@ -140,7 +140,7 @@ def _remove_kept(before: set) -> None:
 
 def run_bench(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     """Runs the benchmark; returns medians per runtime (and the cold docker start)."""
-    from kaitian.launcher.runtimes.docker.client import connect
+    from kaitian.launcher.runtimes.docker.runtime import connect
 
     client = connect()
     before = {

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 from kaitian.errors import RunDirError
 
-__all__ = ["RunDir", "base_dir", "collect_stale", "record_pid_namespace"]
+__all__ = ["RunDir", "base_dir", "collect_stale", "process_start_time", "record_pid_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def base_dir() -> str:
     return path
 
 
-def _start_time(pid: int) -> Optional[float]:
+def process_start_time(pid: int) -> Optional[float]:
     """The process's start time (clock ticks since boot), ``None`` if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -78,7 +78,7 @@ def _start_time(pid: int) -> Optional[float]:
 
 
 def _alive(pid: int, start_time: Optional[float]) -> bool:
-    now = _start_time(pid)
+    now = process_start_time(pid)
     return now is not None and (start_time is None or now == start_time)
 
 
@@ -102,7 +102,7 @@ class RunDir:
         os.chmod(self.path, 0o700)
         _write_json(
             os.path.join(self.path, _AGENT_FILE),
-            {"pid": os.getpid(), "start_time": _start_time(os.getpid())},
+            {"pid": os.getpid(), "start_time": process_start_time(os.getpid())},
         )
         self._starts = 0
         self._current: Optional[str] = None
@@ -131,7 +131,7 @@ class RunDir:
         """Remembers the running workers, so a later agent can stop them if this one is killed."""
         _write_json(
             os.path.join(self.path, _WORKERS_FILE),
-            [[pid, _start_time(pid)] for pid in pids.values()],
+            [[pid, process_start_time(pid)] for pid in pids.values()],
         )
 
     def remove(self) -> None:

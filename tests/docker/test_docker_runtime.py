@@ -26,7 +26,7 @@ from kaitian.errors import DockerRuntimeError, DockerUnavailableError, ImageNotF
 from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, WorkerStart
-from kaitian.launcher.runtimes.docker.client import connect
+from kaitian.launcher.runtimes.docker.runtime import connect
 from kaitian.launcher.runtimes.docker.runtime import DockerRuntime
 from kaitian.launcher.runtimes.docker.options import DockerOptions
 from kaitian.launcher.runtimes.options import RuntimeOptions

@@ -34,7 +34,7 @@ WORKER_UID = 4321 if os.getuid() == 0 else os.getuid()
 @functools.lru_cache(maxsize=None)
 def _client():
     from kaitian.errors import DockerUnavailableError
-    from kaitian.launcher.runtimes.docker.client import connect
+    from kaitian.launcher.runtimes.docker.runtime import connect
 
     try:
         return connect()
@@ -79,7 +79,7 @@ def own(path):
 
 def kaitian_containers(**labels):
     """kaitian-managed containers (all states) carrying ``labels`` (short names)."""
-    from kaitian.launcher.runtimes.docker.client import list_containers
+    from kaitian.launcher.runtimes.docker.runtime import list_containers
 
     wanted = {"org.kaitian.managed": "1", **{f"org.kaitian.{k.replace('_', '-')}": str(v) for k, v in labels.items()}}
     return list_containers(engine(), wanted)

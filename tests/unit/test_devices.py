@@ -339,7 +339,7 @@ def test_rank_device_reads_the_launchers_variables():
 def test_planned_container_and_exec_give_the_worker_its_gpu():
     """USE_CUDA=1,3 in a container: GPUs by UUID, the exec's env lets worker 3 land on cuda:1."""
     from kaitian.launcher.workers import LocalWorker
-    from kaitian.launcher.runtimes.docker.labels import AgentIdentity
+    from kaitian.launcher.runtimes.docker.start import AgentIdentity
     from kaitian.launcher.runtimes.docker.options import DockerOptions
     from kaitian.devices.visible import worker_visibility
     from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec

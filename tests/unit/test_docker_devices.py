@@ -14,7 +14,7 @@ from kaitian.devices.visible import torch_ordinal, worker_visibility
 from kaitian.errors import DeviceSelectionError
 from kaitian.settings import Settings
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.runtimes.docker.labels import AgentIdentity
+from kaitian.launcher.runtimes.docker.start import AgentIdentity
 from kaitian.launcher.runtimes.docker.options import DockerOptions
 from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec
 

@@ -15,7 +15,7 @@ import pytest
 from kaitian.errors import DockerOptionError
 from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.runtimes.docker.labels import (
+from kaitian.launcher.runtimes.docker.start import (
     LABEL_AGENT_PID,
     LABEL_GROUP,
     LABEL_KEEP,
@@ -32,7 +32,8 @@ from kaitian.launcher.runtimes.docker.start import (
     exec_spec,
     image_for,
 )
-from kaitian.launcher.runtimes.docker.shell import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT, stop_command
+from kaitian.launcher.runtimes.docker.start import MAIN_KEPT, MAIN_TIED, WRAPPER_SCRIPT
+from kaitian.launcher.runtimes.docker.exec import stop_command
 
 AGENT = AgentIdentity(host="node0", pid=4242, start="12345")
 

@@ -9,7 +9,7 @@ import os
 
 from kaitian.devices.device import ContainerDevices, WorkerDevice
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.runtimes.docker.labels import LABEL_SPEC, AgentIdentity
+from kaitian.launcher.runtimes.docker.start import LABEL_SPEC, AgentIdentity
 from kaitian.launcher.runtimes.docker.options import DockerOptions, Mount
 from kaitian.launcher.runtimes.docker.start import (
     ContainerSpec, DockerHost, ImageInfo, LogFiles, container_spec, docker_start,

@@ -1,123 +1,176 @@
-"""The docker runtime: each group's workers in its own container.
+"""The docker runtime: carries out each start's plan (``start``) against the Docker engine.
 
-``kaitianrun --runtime docker`` keeps the elastic agent on the host and starts
-workers inside one container per kaitian group (per vendor, or per simulated
-CPU group) with ``docker exec``. Containers run an idle main process and are
-reused across restarts of the worker group; workers are signalled as whole
-process groups *inside* the container (the Engine API cannot kill an exec,
-and killing the exec's client would leave the worker running).
-
-A run's containers are tied to the agent's life: their main process reads
-the agent's stdin attach, so when the agent dies (even by SIGKILL) the
-engine closes it, the container stops, its workers die with its pid
-namespace, and the engine removes it (``shell.MAIN_TIED``).
-
-What to create and exec is planned in ``start`` (pure, printable); this module
-reads what the plan depends on (image labels, the engine's cgroup driver) and
-carries it out: the engine connection is ``client``, workers as ``docker exec``
-processes ``exec``.
+Workers run as ``docker exec`` (``exec``) in one container per kaitian group, reused across restarts
+of the group and tied to the agent's life (``start.MAIN_TIED``). The docker SDK is imported on first
+use, so ``kaitianrun`` without ``--runtime docker`` never needs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import socket
 import sys
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from kaitian._torch import PContext
 from kaitian.devices.device import ContainerDevices
-from kaitian.errors import DockerRuntimeError, ImageNotFoundError
+from kaitian.errors import ContainerLookupError, DockerOptionError, DockerRuntimeError, DockerUnavailableError
+from kaitian.errors import ImageNotFoundError
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.rundir import record_pid_namespace
+from kaitian.launcher.rundir import process_start_time, record_pid_namespace
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
-from kaitian.launcher.runtimes.docker.client import (
-    connect, find_one, image_info, is_not_found, list_containers, pid_namespace_of, remove_container,
-)
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
-from kaitian.launcher.runtimes.docker.labels import (
-    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_GROUP, LABEL_KEEP, LABEL_MANAGED, LABEL_RUN_ID, LABEL_SPEC,
-    agent_identity, owner_alive,
-)
-from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions
-from kaitian.launcher.runtimes.docker import start as start_module
+from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, parse_volume
 from kaitian.launcher.runtimes.docker.start import (
-    ContainerSpec, DockerHost, DockerStart, ExecSpec, ImageInfo, LogFiles, as_binary, choose_user,
-    group_devices, groups_of, image_for,
+    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_GROUP, LABEL_HOST_MOUNTS, LABEL_KEEP, LABEL_MANAGED,
+    LABEL_PYTHON, LABEL_RUN_ID, LABEL_SPEC, AgentIdentity, ContainerSpec, DockerHost, DockerStart, ExecSpec,
+    ImageInfo, LogFiles, as_binary, choose_user, docker_start, group_devices, groups_of, image_for,
 )
 
-__all__ = ["DockerRuntime", "DockerExecContext"]
+__all__ = ["DockerRuntime", "connect", "list_containers", "remove_container"]
 
 logger = logging.getLogger(__name__)
 
+# The environment's client once it answered: the agent, its stale collection and its runtime share it.
+_default_client: object = None
+
+
+def connect(client: object = None) -> object:
+    """A docker SDK client that answered a ping: ``client`` (tests), else the environment's (``DOCKER_HOST``)."""
+    try:
+        import docker
+        import docker.errors
+    except ImportError:
+        raise DockerUnavailableError("the docker runtime needs the docker SDK: pip install 'docker>=7'") from None
+    import requests.exceptions
+
+    global _default_client
+    if client is None and _default_client is not None:
+        return _default_client
+    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    fresh = client is None
+    try:
+        if fresh:
+            client = docker.DockerClient.from_env(max_pool_size=64)
+        client.ping()
+    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
+        if any(isinstance(e, PermissionError) for e in (exc, exc.__context__)) or "Permission denied" in str(exc):
+            raise DockerUnavailableError(
+                f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
+                "(sudo usermod -aG docker $USER, then log in again) or run as root"
+            ) from None
+        raise DockerUnavailableError(
+            f"cannot reach the Docker daemon at {where}: start it "
+            "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
+        ) from None
+    if fresh:
+        _default_client = client
+    return client
+
+
+def _not_found(exc: BaseException) -> bool:
+    return type(exc).__name__ == "NotFound"
+
+
+def _pid_namespace(container: object) -> Optional[int]:
+    """A running container's pid namespace (inode), if this host can see it."""
+    try:
+        container.reload()  # listed containers carry only a summary
+        pid = int(container.attrs["State"]["Pid"] or 0)
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino if pid > 0 else None
+    except Exception:  # noqa: BLE001 (gone already, another host, no permission: nothing to clean)
+        return None
+
+
+def remove_container(container: object) -> None:
+    """Removes a container (and what runs in it) and the kaitian shared memory its pid namespace left."""
+    from kaitian.backend.shm_gc import collect_namespace_segments
+
+    pid_ns = _pid_namespace(container)
+    try:
+        container.remove(force=True)
+    except Exception as exc:  # noqa: BLE001 (auto-removed containers vanish, or are mid-removal, under us)
+        if not _not_found(exc) and "already in progress" not in str(exc):
+            raise
+    for name in collect_namespace_segments(pid_ns) if pid_ns else ():
+        logger.info("removed shared memory %s left in container %s", name, container.name)
+
+
+def _removed(remove: Callable[[], None], what: str) -> bool:
+    """Whether ``remove()`` removed a container; one gone already is no failure, others are warned of."""
+    try:
+        remove()
+        return True
+    except Exception as exc:  # noqa: BLE001
+        if not _not_found(exc):
+            logger.warning("could not remove %s: %s", what, exc)
+        return False
+
+
+def list_containers(client: object, labels: Mapping[str, str]) -> List[object]:
+    """Containers (any state) carrying ``labels``; one removed between listing and inspection is skipped."""
+    found = []
+    for summary in client.api.containers(all=True, filters={"label": [f"{k}={v}" for k, v in labels.items()]}):
+        try:
+            found.append(client.containers.get(summary["Id"]))
+        except Exception as exc:  # noqa: BLE001
+            if not _not_found(exc):
+                raise
+    return found
+
+
+def agent_identity() -> AgentIdentity:
+    start = process_start_time(os.getpid())
+    return AgentIdentity(socket.gethostname(), os.getpid(), "0" if start is None else f"{start:.0f}")
+
+
+def owner_alive(labels: Mapping[str, str]) -> bool:
+    """Whether the agent named in a container's labels still runs on this host."""
+    try:
+        start = process_start_time(int(labels.get(LABEL_AGENT_PID, "")))
+    except ValueError:
+        return False
+    return start is not None and f"{start:.0f}" == labels.get(LABEL_AGENT_START)
+
 
 class DockerRuntime(Runtime):
-    """Runs each group's workers in its own container.
-
-    Args:
-        ctx: the node's run context (its ``DockerOptions``: images, mounts,
-            ``--keep-containers``, ``--shm-size``, ``--container-user``).
-        client: a docker SDK client (tests); built from the environment if ``None``.
-    """
+    """Each group's workers in its own container; ``client``: a docker SDK client (tests)."""
 
     name = "docker"
 
     def __init__(self, ctx: RunContext, client: object = None) -> None:
         super().__init__(ctx)
         self.options: DockerOptions = ctx.options.of(self.name, DockerOptions)
-        self._client = client
-        self._connected = False
+        self._given_client = client
         self._agent = agent_identity()
-        self._containers: Dict[str, str] = {}  # group -> container id, this run's
+        self._containers: Dict[str, str] = {}  # group -> this run's container id
         self._ties: Dict[str, object] = {}  # container id -> the agent's stdin attach
         self._images: Dict[str, ImageInfo] = {}
-        self._parent_cgroup: Optional[str] = None
-        self.user = self._worker_user()
+        st = os.stat(ctx.cwd)
+        self.user = choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
+        # a root agent gives the workers' directories to their (other) user
+        self._hands_over = os.getuid() == 0 and self.user != ROOT_USER
 
-    @property
+    @functools.cached_property
     def client(self) -> object:
-        if self._client is None or not self._connected:
-            self._client = connect(self._client)
-            self._connected = True
-        return self._client
-
-    def _worker_user(self) -> str:
-        st = os.stat(self.ctx.cwd)
-        return choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
-
-    @property
-    def _hands_over(self) -> bool:
-        """Whether the (root) agent must give the workers' directories to their user."""
-        return os.getuid() == 0 and self.user != ROOT_USER
-
-    # --- the contract --------------------------------------------------------
+        return connect(self._given_client)
 
     def start(self, job: WorkerStart) -> PContext:
-        """Plans the start (:func:`~kaitian.launcher.runtimes.docker.start.docker_start`),
-        creates or reuses its containers, then starts one ``docker exec`` per worker.
-
-        Raises:
-            DockerRuntimeError: (subclasses) the daemon, an image or an option
-                is not usable; the message says what to do.
-        """
+        """Plans the start, makes or reuses its containers, then execs each worker."""
         entrypoint, args = as_binary(job.entrypoint, job.args)
         job = replace(job, entrypoint=entrypoint, args=args)
-        client = self.client
         self._host(job.workers)  # images checked before anything is started, so a missing one fails alone
 
         def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecSpec, str]]:
-            logs = LogFiles(_root_log_dir(job), pc.stdouts, pc.stderrs, pc.error_files)
-            return self._carry_out(self.docker_start(job, logs))
+            root = getattr(job.logs_specs, "root_log_dir", None)  # custom LogsSpecs may have none
+            return self._carry_out(self.docker_start(job, LogFiles(root, pc.stdouts, pc.stderrs, pc.error_files)))
 
-        pc = DockerExecContext(
-            job,
-            prepare=prepare,
-            client=client,
-            duplicate_stdout_filters=self.ctx.options.duplicate_stdout_filters,
-            duplicate_stderr_filters=self.ctx.options.duplicate_stderr_filters,
-        )
+        pc = DockerExecContext(job, prepare, self.client, self.ctx.options.duplicate_stdout_filters,
+                               self.ctx.options.duplicate_stderr_filters)
         try:
             pc.start()
         except BaseException:  # (a Ctrl-C while the log tails start) the agent never sees this context
@@ -127,11 +180,10 @@ class DockerRuntime(Runtime):
 
     def docker_start(self, job: WorkerStart, logs: LogFiles) -> DockerStart:
         """What starting ``job`` creates and execs (reads image labels; changes nothing)."""
-        return start_module.docker_start(job.workers, job.entrypoint, job.args, job.envs, logs,
-                                         self._host(job.workers), self.options)
+        return docker_start(job.workers, job.entrypoint, job.args, job.envs, logs, self._host(job.workers),
+                            self.options)
 
     def devices_seen(self, workers: Dict[int, LocalWorker]) -> Dict[int, ContainerDevices]:
-        """Each worker sees its group's container's devices."""
         devices = {group: group_devices(group, members)[1] for group, members in groups_of(workers).items()}
         return {key: devices[w.device.group] for key, w in workers.items()}
 
@@ -145,86 +197,66 @@ class DockerRuntime(Runtime):
         """Removes this run's containers unless ``--keep-containers``. Idempotent."""
         if not self.options.keep_containers:
             for group, cid in list(self._containers.items()):
-                try:
-                    remove_container(self._client.containers.get(cid))
+                if _removed(lambda: remove_container(self.client.containers.get(cid)), f"container {cid[:12]}"):
                     logger.info("removed container of group %s", group)
-                except Exception as exc:  # noqa: BLE001
-                    if not is_not_found(exc):
-                        logger.warning("could not remove container %s: %s", cid[:12], exc)
         self._containers.clear()
         for tie in self._ties.values():
-            try:
+            with contextlib.suppress(OSError):
                 tie.close()
-            except OSError:
-                pass
         self._ties.clear()
 
     @classmethod
     def collect_stale(cls, client: object = None) -> List[str]:
-        """Removes containers whose agent on this host is gone; returns their names.
-
-        A run's containers remove themselves when their agent dies; this
-        catches those whose agent died before it could tie them. Kept
-        containers (``--keep-containers``) are left alone: they are meant to
-        outlive their run.
-
-        Raises:
-            DockerUnavailableError: the daemon cannot be reached.
-        """
-        client = connect(client)
+        """Removes the run containers of this host whose agent died before it could tie them; returns
+        their names. Kept containers (``--keep-containers``) are meant to outlive their run."""
         labels = {LABEL_MANAGED: "1", LABEL_KEEP: "0", LABEL_AGENT_HOST: socket.gethostname()}
-        removed = []
-        for c in list_containers(client, labels):
-            if owner_alive(c.labels):
-                continue
-            try:
-                remove_container(c)
-                removed.append(c.name)
-            except Exception as exc:  # noqa: BLE001
-                if not is_not_found(exc):
-                    logger.warning("could not remove stale container %s: %s", c.name, exc)
-        return removed
-
-    # --- helpers -------------------------------------------------------------
+        stale = [c for c in list_containers(connect(client), labels) if not owner_alive(c.labels)]
+        return [c.name for c in stale if _removed(functools.partial(remove_container, c), f"stale container {c.name}")]
 
     def _image(self, ref: str) -> ImageInfo:
+        """An image's kaitian labels, read once."""
         if ref not in self._images:
-            self._images[ref] = image_info(self.client, ref)
+            import docker.errors
+
+            try:
+                image = self.client.images.get(ref)
+            except docker.errors.ImageNotFound:
+                raise ImageNotFoundError(
+                    f"docker image {ref!r} not found on this host: build it (kaitian images build), "
+                    f"pull it (docker pull {ref}) or choose another with --image VENDOR=IMAGE"
+                ) from None
+            labels = (image.attrs.get("Config") or {}).get("Labels") or {}
+            try:
+                mounts = tuple(parse_volume(s) for s in (labels.get(LABEL_HOST_MOUNTS) or "").split(",") if s)
+            except DockerOptionError as exc:
+                raise DockerOptionError(f"image {ref!r} has a bad {LABEL_HOST_MOUNTS} label: {exc}") from None
+            self._images[ref] = ImageInfo(mounts, labels.get(LABEL_PYTHON) or "python3")
         return self._images[ref]
 
+    @functools.cached_property
     def _cgroup_parent(self) -> Optional[str]:
-        """The agent's own cgroup, if containers can be created in it.
-
-        Only with the ``cgroupfs`` driver on cgroup v1: the systemd driver wants
-        a slice, and cgroup v2 forbids child groups next to processes.
-        """
-        if self._parent_cgroup is None:
-            self._parent_cgroup = ""
-            try:
-                info = self.client.info()
-                if info.get("CgroupDriver") == "cgroupfs" and str(info.get("CgroupVersion", "1")) == "1":
-                    with open("/proc/self/cgroup") as f:
-                        for line in f:
-                            _, controllers, path = line.rstrip("\n").split(":", 2)
-                            if "cpu" in controllers.split(","):
-                                self._parent_cgroup = path
-                                break
-            except Exception:  # noqa: BLE001 (keep the engine's default)
-                self._parent_cgroup = ""
-        return self._parent_cgroup or None
+        """The agent's own cgroup where the engine can make containers in it: only with the cgroupfs driver
+        on cgroup v1 (the systemd driver wants a slice; v2 forbids child groups next to processes)."""
+        try:
+            info = self.client.info()
+            if info.get("CgroupDriver") == "cgroupfs" and str(info.get("CgroupVersion", "1")) == "1":
+                with open("/proc/self/cgroup") as f:
+                    for line in f:
+                        _, controllers, path = line.rstrip("\n").split(":", 2)
+                        if "cpu" in controllers.split(","):
+                            return path or None
+        except Exception:  # noqa: BLE001 (keep the engine's default)
+            pass
+        return None
 
     def _host(self, workers: Dict[int, LocalWorker]) -> DockerHost:
-        """What the plan of a start of ``workers`` depends on outside it.
-
-        Raises:
-            ImageNotFoundError: a group's image is not on this host.
-        """
+        """What the plan of a start of ``workers`` depends on outside it (raises if an image is missing)."""
         refs = {image_for(g, members[0].device.type, self.options.images) for g, members in groups_of(workers).items()}
         python = sys.executable
         return DockerHost(
             run_id=self.ctx.run_id, run_dir=self.ctx.run_dir, cwd=self.ctx.cwd, log_dir=self.ctx.log_dir,
             agent=self._agent, user=self.user, hands_over=self._hands_over,
-            images={ref: self._image(ref) for ref in sorted(refs)}, cgroup_parent=self._cgroup_parent(),
+            images={ref: self._image(ref) for ref in sorted(refs)}, cgroup_parent=self._cgroup_parent,
             cpu_quotas=self.ctx.cpu_quotas,
             host_python=tuple(sorted({python, os.path.abspath(python), os.path.realpath(python)})),
             agent_env=dict(os.environ),
@@ -235,12 +267,12 @@ class DockerRuntime(Runtime):
         for path in plan.make_dirs:
             os.makedirs(path, exist_ok=True)
         if self.options.keep_containers and self._hands_over:
-            # Kept containers mount the directory of all run directories:
-            # traversable, not listable, so run directories stay owner-only.
+            # Kept containers mount the directory of all run directories: traversable, not listable,
+            # so run directories stay owner-only.
             os.chmod(os.path.dirname(os.path.abspath(self.ctx.run_dir)), 0o711)
         os.makedirs(os.path.join(self.ctx.run_dir, "docker-pids"), mode=0o700, exist_ok=True)
+        uid, _, gid = self.user.partition(":")
         for path in plan.hand_over:  # a root agent made them owner-only: the workers' user must write there
-            uid, _, gid = self.user.partition(":")
             try:
                 os.chown(path, int(uid), int(gid or uid))
             except OSError as exc:
@@ -251,26 +283,28 @@ class DockerRuntime(Runtime):
 
     def _ensure(self, spec: ContainerSpec) -> str:
         """The id of a running container matching ``spec``: reused or created."""
-        client = self.client
-        labels = spec.labels
-        digest = spec.digest
+        import docker.errors
+
+        client, labels = self.client, spec.labels
         if self.options.keep_containers:
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)}
         else:
             key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)}
-        found = find_one(client, key)
-        if found is not None and (found.labels.get(LABEL_SPEC) != digest or (spec.tied and found.id not in self._ties)):
-            logger.info("container %s no longer matches its group; recreating it", found.name)
-            remove_container(found)
-            found = None
-        if found is not None:
-            if found.status != "running":
-                found.start()
-            logger.info("reusing container %s", found.name)
-            return found.id
-        import docker.errors
-
-        logger.info("creating container %s", spec.describe())
+        found = list_containers(client, key)
+        if len(found) > 1:
+            raise ContainerLookupError(
+                f"several kaitian containers match {key}: {', '.join(sorted(c.name for c in found))}; "
+                "remove the extra ones (docker rm -f NAME) and retry"
+            )
+        for old in found:
+            if old.labels.get(LABEL_SPEC) == spec.digest and (not spec.tied or old.id in self._ties):
+                if old.status != "running":
+                    old.start()
+                logger.info("reusing container %s", old.name)
+                return old.id
+            logger.info("container %s no longer matches its group; recreating it", old.name)
+            remove_container(old)
+        logger.info("creating container %s (%s, user %s)", spec.name, spec.image, spec.user)
         try:
             container = client.containers.create(**spec.create_kwargs())
         except docker.errors.ImageNotFound:
@@ -283,12 +317,8 @@ class DockerRuntime(Runtime):
                 f"cannot create the container for group {spec.group!r}: {exc.explanation or exc}"
             ) from None
         try:
-            if spec.tied:
-                # Attached before it starts (as docker run -i): its stdin closes
-                # when this process exits, however it exits.
-                self._ties[container.id] = client.api.attach_socket(
-                    container.id, params={"stdin": 1, "stream": 1}
-                )
+            if spec.tied:  # attached before it starts (as docker run -i): stdin closes when the agent exits
+                self._ties[container.id] = client.api.attach_socket(container.id, params={"stdin": 1, "stream": 1})
             container.start()
         except docker.errors.APIError as exc:
             remove_container(container)
@@ -301,14 +331,7 @@ class DockerRuntime(Runtime):
             raise DockerRuntimeError(
                 f"cannot start the container for group {spec.group!r} ({spec.image}): {why}{hint}"
             ) from None
-        pid_ns = pid_namespace_of(container)
+        pid_ns = _pid_namespace(container)
         if pid_ns:
             record_pid_namespace(self.ctx.run_dir, pid_ns)
         return container.id
-
-
-def _root_log_dir(job: WorkerStart) -> Optional[str]:
-    try:
-        return job.logs_specs.root_log_dir
-    except Exception:  # noqa: BLE001 (custom LogsSpecs without a root)
-        return None
