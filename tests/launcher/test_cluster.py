@@ -174,10 +174,11 @@ def test_max_restarts_across_hosts(tmp_path):
     assert sorted(finals) == [0, 1]
     for info in finals.values():
         assert info["start_step"] == 3  # both hosts' new workers resumed from the checkpoint
-        # As torchrun: the failing host spent a restart. The other one restarted either for
-        # the new round (0) or because its own workers failed first on the dead peer (1): a race.
-        allowed = {"1"} if info["GROUP_RANK"] == "1" else {"0", "1"}
-        assert info["TORCHELASTIC_RESTART_COUNT"] in allowed, info
+    # As torchrun: the first agent to see a failure (its own worker's, or its worker's on the
+    # dead peer) spends a restart and opens a new round; the other may join that round as a
+    # membership change before it sees its own worker's end (no restart spent): a race.
+    counts = sorted(info["TORCHELASTIC_RESTART_COUNT"] for info in finals.values())
+    assert counts in (["0", "1"], ["1", "1"]), finals
     _assert_weights(finals)
 
 

@@ -11,7 +11,9 @@ step on the whole global batch, whatever the world. Rank 0 checkpoints after
 each step in DIR (atomically); a restarted or re-formed world resumes from the
 checkpoint, so the final weights equal :func:`reference` for any sequence of
 worlds. ``--crash`` makes
-local rank 0 of that node fail once, at that step of the first attempt;
+local rank 0 of that node fail once in the job, at that step (its agent may
+restart it for the other host's new round before it sees the failure: the
+restarted worker must not crash again);
 ``--hold`` makes a world smaller than WORLD wait at STEP until the agents
 restart it into a bigger one (at most 180 s).
 """
@@ -92,7 +94,8 @@ def main():
     crash = None
     if args.crash:
         node, at = args.crash.split(":")
-        if os.environ["GROUP_RANK"] == node and os.environ["LOCAL_RANK"] == "0" and restart == 0:
+        if os.environ["GROUP_RANK"] == node and os.environ["LOCAL_RANK"] == "0" and not os.path.exists(
+                os.path.join(out, "crashed")):
             crash = int(at)
     hold_world, hold_step = map(int, args.hold.split(":")) if args.hold else (0, -1)
     for step in range(start, args.steps):
@@ -100,6 +103,7 @@ def main():
             time.sleep(180)  # the agents restart this world into a bigger one
             sys.exit(f"no world of {hold_world} after 180 s")
         if step == crash:
+            open(os.path.join(out, "crashed"), "w").close()
             print(f"planned crash at step {step}", flush=True)
             sys.exit(3)
         base = step * GLOBAL_BATCH + offset
