@@ -4,8 +4,8 @@ Runs ``tests/torch_suite/run_suite.py`` (the whole ``_DistTestBase`` suite,
 ranks forked, first half of the ranks in group ``cpu0``, the rest in ``cpu1``)
 with backend kaitian, each test once, at world size 3 (2+1) or 4 (2+2) in turn
 (sorted by name: every other test at each size, so that CI runs the suite once,
-not twice), plus the tests the suite gates on ``BACKEND == "gloo"`` although
-they are backend-agnostic (``--as-gloo``), at both sizes. Every test kaitian fails is then run with gloo on the same
+not twice), and so the tests the suite gates on ``BACKEND == "gloo"`` although
+they are backend-agnostic (``--as-gloo``). Every test kaitian fails is then run with gloo on the same
 world size: a kaitian failure where gloo passes fails this test, with the
 suite's traceback in the message.
 """
@@ -53,7 +53,8 @@ def _run_suite(backend: str, world_size: int, extra=(), timeout: float = 330) ->
 @pytest.mark.parametrize("mode", ["all", "as-gloo"])
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_torch_distributed_suite(world_size: int, mode: str) -> None:
-    extra = ("--select", "all", "--shard", f"{world_size - 3}/2") if mode == "all" else ("--as-gloo",)
+    extra = ("--select", "all") if mode == "all" else ("--as-gloo",)
+    extra += ("--shard", f"{world_size - 3}/2")
     kt = _run_suite("kaitian", world_size, extra)
     counts = kt["counts"]
     print(f"kaitian ({mode}), world size {world_size}: {counts}")
