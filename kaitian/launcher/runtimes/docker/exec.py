@@ -34,20 +34,19 @@ _ENGINE_POLL_S = 2.0
 
 
 def exit_code_from_docker(code: Optional[int]) -> int:
-    """torchrun's exit code (``-N`` for signal N) from the Engine's (``128 + N``, as a shell's)."""
+    """torchrun's ``-N`` for signal N from the Engine's ``128 + N``."""
     if code is None:
         return -9
     return -(code - 128) if 128 < code < 128 + 65 else code
 
 
 def stop_command(pgids: Iterable[int], sig: signal.Signals) -> Tuple[str, ...]:
-    """Signals whole worker process groups inside a container; one already gone does not stop the others."""
+    """Signals worker process groups inside a container; one already gone does not stop the others."""
     return ("sh", "-c", "; ".join(f"kill -s {sig.name[3:]} -- -{int(p)} 2>/dev/null || true" for p in pgids) or "true")
 
 
 def _wait_for(read: Callable[[], Optional[int]], seconds: float, step: float,
               done: Optional[threading.Event] = None) -> Optional[int]:
-    """``read()`` again until it gives a value, ``seconds`` pass or ``done`` is set."""
     deadline = time.monotonic() + seconds
     while (value := read()) is None and time.monotonic() < deadline and not (done and done.is_set()):
         time.sleep(step)
@@ -55,9 +54,8 @@ def _wait_for(read: Callable[[], Optional[int]], seconds: float, step: float,
 
 
 class _Lines:
-    """One output stream in whole lines (the tee tails log files by line): to the rank's log file, opened
-    at its first line (a worker that writes its log itself creates it as its own user), or to the
-    console with the rank's prefix."""
+    """An exec's output stream in whole lines (torch tails log files by line) to the rank's log file, opened
+    at its first line (a worker writing its own log creates it as its user), or to the console."""
 
     def __init__(self, path: str, console: IO[bytes], prefix: bytes) -> None:
         self.path, self.console, self.prefix = path, console, prefix
@@ -86,7 +84,7 @@ class _Lines:
 
 
 class _Exec:
-    """One worker's ``docker exec``: started, streamed, and its exit recorded, on its own thread."""
+    """One worker's ``docker exec``: started, streamed and its exit recorded on its own thread."""
 
     def __init__(self, client: object, container_id: str, spec: ExecSpec, stdout: str, stderr: str,
                  prefix: str) -> None:
@@ -102,7 +100,6 @@ class _Exec:
 
     @property
     def code(self) -> Optional[int]:
-        """The exit code once it ended (1 if none is known), else ``None``."""
         return (1 if self.exit_code is None else self.exit_code) if self.done.is_set() else None
 
     def _run(self) -> None:
@@ -150,7 +147,6 @@ class _Exec:
                 self.done.set()
 
     def container_pid(self) -> Optional[int]:
-        """The worker's pid (= its process group) inside the container."""
         def read() -> Optional[int]:
             try:
                 with open(self.spec.pid_file) as f:
@@ -162,9 +158,8 @@ class _Exec:
 
 
 class DockerExecContext(PContext):
-    """A ``PContext`` of ``docker exec`` workers. ``prepare`` (the runtime's) is called at the start,
-    once torch has decided the log and error files the containers must show, and returns each
-    process's exec and container id."""
+    """``prepare`` (the runtime's) is called at the start, once torch has decided the log and error files
+    the containers must show, and returns each process's exec and container id."""
 
     def __init__(self, job: "WorkerStart", prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecSpec, str]]],
                  client: object, options: "RuntimeOptions") -> None:
@@ -199,7 +194,7 @@ class DockerExecContext(PContext):
         return {rank: ex.code for rank, ex in self._execs.items()}
 
     def _capture(self) -> bool:
-        """Records new failures; whether a worker still runs."""
+        """Whether a worker still runs; records new failures."""
         codes = self.exit_codes()
         for rank, code in sorted(codes.items()):
             if code and rank not in self._failures:
@@ -245,7 +240,7 @@ class DockerExecContext(PContext):
                 logger.warning("could not signal workers in container %s: %s", container_id[:12], exc)
 
     def _stop(self, execs: List[_Exec], sig: signal.Signals, timeout: float) -> List[_Exec]:
-        """Signals ``execs``; those still running after ``timeout``."""
+        """Those of ``execs`` still running ``timeout`` after the signal."""
         self._signal(execs, sig)
         end = time.monotonic() + timeout
         for ex in execs:

@@ -134,7 +134,7 @@ def owner_alive(labels: Mapping[str, str]) -> bool:
 
 
 class DockerRuntime(Runtime):
-    """Each group's workers in its own container; ``client``: a docker SDK client (tests)."""
+    """``client``: a docker SDK client (tests)."""
 
     name = "docker"
 
@@ -171,7 +171,7 @@ class DockerRuntime(Runtime):
         return pc
 
     def docker_start(self, job: WorkerStart, logs: LogFiles = LogFiles()) -> DockerStart:
-        """What starting ``job`` creates and execs (reads image labels; changes nothing)."""
+        """What starting ``job`` creates and execs (``--dry-run``): reads image labels, changes nothing."""
         return docker_start(job, logs, self._host_for(job.workers), self.options)
 
     def _host_for(self, workers: Dict[int, LocalWorker]) -> DockerHost:
@@ -229,8 +229,8 @@ class DockerRuntime(Runtime):
 
     @functools.cached_property
     def _cgroup_parent(self) -> Optional[str]:
-        """The agent's own cgroup where the engine can make containers in it: only with the cgroupfs driver
-        on cgroup v1 (the systemd driver wants a slice; v2 forbids child groups next to processes)."""
+        """The agent's own cgroup, where the engine can nest containers: the cgroupfs driver on cgroup v1 (the
+        systemd driver wants a slice; v2 forbids child groups next to processes)."""
         try:
             info = self.client.info()
             if info.get("CgroupDriver") == "cgroupfs" and str(info.get("CgroupVersion", "1")) == "1":
@@ -248,15 +248,13 @@ class DockerRuntime(Runtime):
         for path in plan.make_dirs:
             os.makedirs(path, exist_ok=True)
         if self.options.keep_containers and self._host.hands_over:
-            # Kept containers mount the directory of all run directories: traversable, not listable,
-            # so run directories stay owner-only.
+            # kept containers mount the directory of all run directories: traversable, not listable
             os.chmod(os.path.dirname(os.path.abspath(self.ctx.run_dir)), 0o711)
         os.makedirs(self._host.pid_dir, mode=0o700, exist_ok=True)
-        user = self._host.user
-        uid, _, gid = user.partition(":")
+        user = self._host.user  # uid:gid, as from_flags and choose_user make it
         for path in plan.hand_over:  # a root agent made them owner-only: the workers' user must write there
             try:
-                os.chown(path, int(uid), int(gid or uid))
+                os.chown(path, *map(int, user.split(":")))
             except OSError as exc:
                 logger.warning("could not hand %s to the container user %s: %s", path, user, exc)
         for container in plan.containers:

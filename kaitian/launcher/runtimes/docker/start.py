@@ -42,8 +42,8 @@ LABEL_SPEC = "org.kaitian.spec"
 LABEL_HOST_MOUNTS = "org.kaitian.host-mounts"
 LABEL_PYTHON = "org.kaitian.python"
 
-# A run's container lives while the agent's stdin attach is open: when the agent dies, however, the
-# engine closes it, the container stops, its pid namespace dies and the engine removes it.
+# A run's container lives while the agent's stdin attach is open: however the agent dies, the engine
+# closes it and the container stops and is removed.
 MAIN_TIED = ("sh", "-c", "while read -r _; do :; done")
 MAIN_KEPT = ("sleep", "infinity")  # --keep-containers: outlives its agent
 # Every worker's exec: records its in-container pid (= its process group: an exec starts a session;
@@ -62,7 +62,7 @@ WRAPPER_SCRIPT = (
 
 # Root asked for by name (--container-user root) may write a non-root agent's owner-only directories.
 ROOT_CAPABILITIES = ("DAC_OVERRIDE",)
-TMPFS = {"/tmp": "rw,nosuid,nodev,mode=1777"}  # the read-only container's writable /tmp, HOME too
+TMPFS = {"/tmp": "rw,nosuid,nodev,mode=1777"}  # the read-only container's writable /tmp and HOME
 CONTAINER_HOME = "/tmp"
 # Variables of the host's software, not of the job: the image has its own.
 HOST_ONLY_ENV = frozenset({
@@ -72,7 +72,7 @@ HOST_ONLY_ENV = frozenset({
 })
 CPU_PERIOD_US = 100_000
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
-# torchrun's --run-path runs the script with runpy in the worker; in a container, in the image's python.
+# torchrun's --run-path runs the script with runpy in the worker: here in the image's python
 _RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
@@ -145,7 +145,7 @@ class ContainerSpec:
         return f"kaitian-{_sanitize(self.group)}-{self.digest[:12]}"
 
     def create_kwargs(self) -> Dict[str, object]:
-        """``client.containers.create``'s arguments; a tied container is made as ``docker run -i --rm``."""
+        """``client.containers.create``'s arguments: a tied container as ``docker run -i --rm``."""
         kwargs: Dict[str, object] = {
             "image": self.image, "command": list(MAIN_TIED if self.tied else MAIN_KEPT), "name": self.name,
             "labels": self.labels, "detach": not self.tied, "stdin_open": self.tied, "auto_remove": self.tied,
@@ -191,7 +191,7 @@ class ExecSpec:
 
 @dataclass(frozen=True)
 class ImageInfo:
-    """What an image declares in its labels: host paths to mount, its python."""
+    """An image's labels: host paths to mount, its python."""
 
     mounts: Tuple[Mount, ...] = ()
     python: str = "python3"
@@ -260,7 +260,6 @@ class LogFiles:
 
 
 def _plain(value: object) -> object:
-    """JSON-ready: dataclasses as dicts, tuples as lists, mapping keys as strings."""
     if dataclasses.is_dataclass(value):
         return _plain(dataclasses.asdict(value))
     if isinstance(value, Mapping):
@@ -395,8 +394,8 @@ def docker_start(job: WorkerStart, logs: LogFiles, host: DockerHost, options: Do
              for key, w in job.workers.items()}
     hand_over: Tuple[str, ...] = ()
     if host.hands_over:
-        # What a non-root worker writes in: the run, start, pid and monitor directories, and those torch
-        # made for error files below a log directory (never the user's --log-dir itself).
+        # what a non-root worker writes in: the run, start, pid and monitor directories, and those torch
+        # made for error files below a log directory (never the user's --log-dir itself)
         writable = {run_dir, host.pid_dir, *monitor_dirs}
         writable |= {os.path.abspath(s.run_dir) for s in given if s.run_dir}
         roots = [run_dir, *log_dirs]
