@@ -160,7 +160,9 @@ class DockerRuntime(Runtime):
         self._host_for(job.workers)  # images checked before anything is started, so a missing one fails alone
 
         def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecSpec, str]]:
-            return self._carry_out(self.docker_start(job, LogFiles(pc.stdouts, pc.stderrs, pc.error_files)))
+            host = self._host_for(job.workers)
+            return self._carry_out(docker_start(job, LogFiles(pc.stdouts, pc.stderrs, pc.error_files), host,
+                                                self.options), host)
 
         pc = DockerExecContext(job, prepare, self.client, self.ctx.options)
         try:
@@ -176,7 +178,7 @@ class DockerRuntime(Runtime):
 
     def _host_for(self, workers: Dict[int, LocalWorker]) -> DockerHost:
         refs = {image_for(g, members[0].device.type, self.options.images) for g, members in groups_of(workers).items()}
-        return replace(self._host, images={ref: self._image(ref) for ref in sorted(refs)},
+        return replace(self._host, run=self.ctx, images={ref: self._image(ref) for ref in sorted(refs)},
                        cgroup_parent=self._cgroup_parent, agent_env=dict(os.environ))
 
     def devices_seen(self, workers: Dict[int, LocalWorker]) -> Dict[int, ContainerDevices]:
@@ -243,15 +245,15 @@ class DockerRuntime(Runtime):
             pass
         return None
 
-    def _carry_out(self, plan: DockerStart) -> Dict[int, Tuple[ExecSpec, str]]:
+    def _carry_out(self, plan: DockerStart, host: DockerHost) -> Dict[int, Tuple[ExecSpec, str]]:
         """Each worker's exec and its container's id."""
         for path in plan.make_dirs:
             os.makedirs(path, exist_ok=True)
-        if self.options.keep_containers and self._host.hands_over:
+        if self.options.keep_containers and host.hands_over:
             # kept containers mount the directory of all run directories: traversable, not listable
-            os.chmod(os.path.dirname(os.path.abspath(self.ctx.run_dir)), 0o711)
-        os.makedirs(self._host.pid_dir, mode=0o700, exist_ok=True)
-        user = self._host.user  # uid:gid, as from_flags and choose_user make it
+            os.chmod(os.path.dirname(os.path.abspath(host.run.run_dir)), 0o711)
+        os.makedirs(host.pid_dir, mode=0o700, exist_ok=True)
+        user = host.user  # uid:gid, as from_flags and choose_user make it
         for path in plan.hand_over:  # a root agent made them owner-only: the workers' user must write there
             try:
                 os.chown(path, *map(int, user.split(":")))
