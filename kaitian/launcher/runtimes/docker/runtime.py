@@ -204,8 +204,8 @@ class DockerRuntime(Runtime):
 
     @classmethod
     def collect_stale(cls) -> List[str]:
-        """The run containers of this host whose agent died before it could tie them (kept ones are
-        meant to outlive their run)."""
+        """Removes the run containers of this host whose agent died before it could tie them; their names.
+        Kept containers are meant to outlive their run."""
         labels = {LABEL_MANAGED: "1", LABEL_KEEP: "0", LABEL_AGENT_HOST: socket.gethostname()}
         stale = [c for c in list_containers(connect(), labels) if not owner_alive(c.labels)]
         return [c.name for c in stale if _removed(functools.partial(remove_container, c), f"stale container {c.name}")]
