@@ -86,6 +86,7 @@ class AgentIdentity:
 
 
 def inside(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or below it (absolute, normalised paths)."""
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
