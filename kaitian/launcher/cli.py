@@ -361,7 +361,6 @@ def _dry_run(request: LaunchRequest, config, cmd, cmd_args) -> str:
         raise UsageError(f"--dry-run prints the docker start; --runtime {runtime.name} has none to print")
     from kaitian.launcher.attempt import Attempt
     from kaitian.launcher.environment import worker_environment
-    from kaitian.launcher.runtimes.docker.start import LogFiles
 
     workers = {w.local_rank: w for w in request.node.workers}
     attempt = Attempt(
@@ -375,9 +374,8 @@ def _dry_run(request: LaunchRequest, config, cmd, cmd_args) -> str:
             for lr, w in workers.items()}
     job = WorkerStart(name=config.role, entrypoint=cmd, args={lr: tuple(cmd_args) for lr in workers}, envs=envs,
                       logs_specs=config.logs_specs, workers=workers)
-    root = getattr(config.logs_specs, "root_log_dir", None)
     return ("# kaitianrun --dry-run: torch's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are added at the start\n"
-            + runtime.docker_start(job, LogFiles(root)).to_text(inherited=os.environ))
+            + runtime.docker_start(job).to_text(inherited=os.environ))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

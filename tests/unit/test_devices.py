@@ -339,22 +339,21 @@ def test_rank_device_reads_the_launchers_variables():
 def test_planned_container_and_exec_give_the_worker_its_gpu():
     """USE_CUDA=1,3 in a container: GPUs by UUID, the exec's env lets worker 3 land on cuda:1."""
     from kaitian.launcher.workers import LocalWorker
-    from kaitian.launcher.runtimes.docker.start import AgentIdentity
+    from kaitian.launcher.runtimes.base import RunContext
+    from kaitian.launcher.runtimes.docker.start import AgentIdentity, DockerHost
     from kaitian.launcher.runtimes.docker.options import DockerOptions
     from kaitian.devices.visible import worker_visibility
     from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec
 
     gpus = [WorkerDevice("cuda", 1, uuid=H100_SXM[1][5]), WorkerDevice("cuda", 3, uuid=H100_SXM[3][5])]
     workers = [LocalWorker(i, d) for i, d in enumerate(gpus)]
-    container = container_spec(group="cuda", workers=workers, image="kaitian:cuda", cpu_quota=None, run_id="r",
-                               run_dir="/run/k", cwd="/work", log_dirs=(), options=DockerOptions(),
-                               agent=AgentIdentity("h", 1, "0"))
+    host = DockerHost(RunContext("r", "/run/k", None, "/work"), AgentIdentity("h", 1, "0"), "0:0")
+    container = container_spec("cuda", workers, host, DockerOptions())
     assert container.create_kwargs()["device_requests"][0]["device_ids"] == [H100_SXM[1][5], H100_SXM[3][5]]
     # the agent's env for worker 1, with what it sees of the container (kaitian.launcher.environment's last layer)
     env = {"CUDA_VISIBLE_DEVICES": "1,2,3", **Settings.for_device(gpus[1]).to_env(),
            **worker_visibility(gpus[1], container=container.devices)}
-    ex = exec_spec(worker=workers[1], container=container, entrypoint="python3", args=["t.py"], env=env,
-                   cwd="/work", pid_file="/run/k/1.pid")
+    ex = exec_spec(workers[1], container, ("python3", "t.py"), env, host)
     assert ex.env["CUDA_VISIBLE_DEVICES"] == f"{H100_SXM[1][5]},{H100_SXM[3][5]}"
     assert ex.env["KAITIAN_DEVICE_INDEX"] == "3" and ex.env["KAITIAN_VISIBLE_INDICES"] == "1,3"
     assert torch_ordinal(Settings.from_env(ex.env).device, "CUDA_VISIBLE_DEVICES", ex.env) == 1

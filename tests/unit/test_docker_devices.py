@@ -7,6 +7,8 @@ No engine needed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kaitian.devices.device import WorkerDevice
@@ -14,11 +16,13 @@ from kaitian.devices.visible import torch_ordinal, worker_visibility
 from kaitian.errors import DeviceSelectionError
 from kaitian.settings import Settings
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.runtimes.docker.start import AgentIdentity
+from kaitian.launcher.runtimes.base import RunContext
+from kaitian.launcher.runtimes.docker.start import AgentIdentity, DockerHost
 from kaitian.launcher.runtimes.docker.options import DockerOptions
 from kaitian.launcher.runtimes.docker.start import container_spec, exec_spec
 
 AGENT = AgentIdentity(host="node0", pid=4242, start="1")
+HOST = DockerHost(RunContext("r", "/run", None, "/w"), AGENT, "1000:1000")
 # An 8-GPU host as NVML numbers it (physical index -> UUID).
 UUIDS8 = {i: f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in range(8)}
 MLU_NODES = ["/dev/cambricon_ctl"] + [f"/dev/cambricon_dev{i}" for i in range(4)] + \
@@ -27,9 +31,7 @@ MLU_NODES = ["/dev/cambricon_ctl"] + [f"/dev/cambricon_dev{i}" for i in range(4)
 
 def _container(indices, kind="cuda", uuids=None, nodes=()):
     workers = [LocalWorker(r, WorkerDevice(kind, i, kind, (uuids or {}).get(i))) for r, i in enumerate(indices)]
-    container = container_spec(group=kind, workers=workers, image=f"kaitian:{kind}", cpu_quota=None, run_id="r",
-                               run_dir="/run", cwd="/w", log_dirs=(), options=DockerOptions(), agent=AGENT,
-                               user="1000:1000", device_nodes=nodes)
+    container = container_spec(kind, workers, replace(HOST, device_nodes=tuple(nodes)), DockerOptions())
     return container, workers
 
 
@@ -38,8 +40,7 @@ def _env(container, worker, agent_env=None, **visibility):
     (which names its physical device) under what it sees of the container's devices."""
     env = {**Settings.for_device(worker.device).to_env(), **(agent_env or {}),
            **worker_visibility(worker.device, container=container.devices, **visibility)}
-    return exec_spec(worker=worker, container=container, entrypoint="python", args=(), env=env, cwd="/w",
-                     pid_file="/p").env
+    return exec_spec(worker, container, ("python",), env, HOST).env
 
 
 def _lands_on(container, worker, agent_env=None, **visibility):

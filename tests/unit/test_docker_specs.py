@@ -15,6 +15,7 @@ import pytest
 from kaitian.errors import DockerOptionError
 from kaitian.devices.device import WorkerDevice
 from kaitian.launcher.workers import LocalWorker
+from kaitian.launcher.runtimes.base import RunContext
 from kaitian.launcher.runtimes.docker.start import (
     LABEL_AGENT_PID,
     LABEL_GROUP,
@@ -23,6 +24,8 @@ from kaitian.launcher.runtimes.docker.start import (
     LABEL_SPEC,
     LABEL_VENDOR,
     AgentIdentity,
+    DockerHost,
+    ImageInfo,
 )
 from kaitian.launcher.runtimes.docker.options import DockerOptions, Mount, parse_volume
 from kaitian.launcher.runtimes.docker.exec import exit_code_from_docker
@@ -38,20 +41,15 @@ from kaitian.launcher.runtimes.docker.exec import stop_command
 AGENT = AgentIdentity(host="node0", pid=4242, start="12345")
 
 
+def _host(run_dir="/tmp/kaitian-0", cwd="/home/u/proj", cpu_quotas={}, user="0:0", image_mounts=(), **kw):
+    return DockerHost(RunContext("run-1", run_dir, None, cwd, cpu_quotas=cpu_quotas), AGENT, user,
+                      images={"kaitian:cpu": ImageInfo(tuple(image_mounts))}, **kw)
+
+
 def _container(workers, *, options=DockerOptions(), log_dirs=("/logs",), cpu_quota=None, **kw):
-    return container_spec(
-        group=workers[0].device.group,
-        workers=workers,
-        image=kw.pop("image", "kaitian:cpu"),
-        cpu_quota=cpu_quota,
-        run_id="run-1",
-        run_dir="/tmp/kaitian-0",
-        cwd="/home/u/proj",
-        log_dirs=log_dirs,
-        options=options,
-        agent=AGENT,
-        **kw,
-    )
+    group = workers[0].device.group
+    host = _host(cpu_quotas={group: cpu_quota} if cpu_quota is not None else {}, **kw)
+    return container_spec(group, workers, host, options, log_dirs)
 
 
 def test_parse_volume_forms():
@@ -174,33 +172,30 @@ def test_keep_containers_are_named_by_shape_not_run():
 def test_exec_spec_maps_host_python_and_keeps_job_env():
     w = LocalWorker(1, WorkerDevice("cpu", 1, "cpu1"), (2, 3))
     container = _container([w], user="1000:1000")
+    host = _host(host_python=("/host/bin/python3",))
     env = {"PATH": "/h", "LD_LIBRARY_PATH": "/h/lib", "RANK": "5", "KAITIAN_GROUP": "cpu1",
            "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500", "PYENV_VERSION": "3.11", "HOME": "/root",
            "VIRTUAL_ENV": "/venv"}
-    ex = exec_spec(worker=w, container=container, entrypoint="/host/bin/python3", args=("-u", "train.py", 3),
-                   env=env, cwd="/home/u/proj", pid_file="/tmp/kaitian-0/1.pid",
-                   host_python=["/host/bin/python3"], image_python="python3")
+    ex = exec_spec(w, container, ("/host/bin/python3", "-u", "train.py", 3), env, host)
     assert ex.cmd[:3] == ("sh", "-c", WRAPPER_SCRIPT)
-    assert ex.cmd[3:] == ("/tmp/kaitian-0/1.pid", "2-3", "", "", "python3", "-u", "train.py", "3")
+    assert ex.cmd[3:] == ("/tmp/kaitian-0/docker-pids/1.pid", "2-3", "", "", "python3", "-u", "train.py", "3")
     assert ex.env == {"RANK": "5", "KAITIAN_GROUP": "cpu1", "TMPDIR": "/tmp/kaitian-0/x", "MASTER_PORT": "29500",
                       "HOME": "/tmp"}  # HOME: the container's private tmpfs
     assert ex.user == "1000:1000" and ex.workdir == "/home/u/proj"
-    assert "RANK=5" in ex.env_list()
-    other = exec_spec(worker=w, container=container, entrypoint="/opt/bin/tool", args=(), env={"TMPDIR": "/elsewhere"},
-                      cwd="/", pid_file="/p", host_python=["/host/bin/python3"])
+    other = exec_spec(w, container, ("/opt/bin/tool",), {"TMPDIR": "/elsewhere"}, host)
     assert other.cmd[7] == "/opt/bin/tool" and "TMPDIR" not in other.env
     # Log files the container sees are written by the worker itself; others come through the stream.
     mounted = container.mounts[0].target
-    logged = exec_spec(worker=w, container=container, entrypoint="/opt/bin/tool", args=(), env={}, cwd="/",
-                       pid_file="/p", stdout=os.path.join(mounted, "0", "stdout.log"), stderr="/not/mounted/err.log")
+    logged = exec_spec(w, container, ("/opt/bin/tool",), {}, host, os.path.join(mounted, "0", "stdout.log"),
+                       "/not/mounted/err.log")
     assert (logged.stdout, logged.stderr) == (os.path.join(mounted, "0", "stdout.log"), "")
     assert logged.cmd[5:7] == (logged.stdout, "")
 
 
 def test_stop_command_and_exit_codes():
-    cmd = stop_command([7, 12], "SIGTERM")
+    cmd = stop_command([7, 12], signal.SIGTERM)
     assert cmd[:2] == ("sh", "-c") and "kill -s TERM -- -7" in cmd[2] and "-- -12" in cmd[2]
-    assert stop_command([], "SIGKILL") == ("sh", "-c", "true")
+    assert stop_command([], signal.SIGKILL) == ("sh", "-c", "true")
     assert exit_code_from_docker(0) == 0
     assert exit_code_from_docker(1) == 1
     assert exit_code_from_docker(137) == -9
@@ -245,7 +240,7 @@ def test_wrapper_records_pid_pins_and_makes_a_process_group(tmp_path):
         while not child_pid_file.exists() and time.time() < deadline:
             time.sleep(0.05)
         child = int(child_pid_file.read_text())
-        subprocess.run(list(stop_command([pgid], "SIGTERM")), check=True)
+        subprocess.run(list(stop_command([pgid], signal.SIGTERM)), check=True)
         assert proc.wait(10) == -signal.SIGTERM
         deadline = time.time() + 10
         while time.time() < deadline:
@@ -279,9 +274,8 @@ def test_mounts_are_exactly_the_run_directories_never_a_parent():
     """--log-dir /tmp/x mounts /tmp/x (not the host's /tmp); nothing else of
     the host is visible but the image's read-only mounts and user volumes."""
     w = [LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))]
-    container = container_spec(group="cpu0", workers=w, image="kaitian:cpu", cpu_quota=None, run_id="r",
-                               run_dir="/tmp/kaitian-0/r.1.abc", cwd="/home/u/proj", log_dirs=("/tmp/x",),
-                               options=DockerOptions(), agent=AGENT, image_mounts=(Mount("/usr", "/usr", True),))
+    host = _host(run_dir="/tmp/kaitian-0/r.1.abc", image_mounts=(Mount("/usr", "/usr", True),))
+    container = container_spec("cpu0", w, host, DockerOptions(), ("/tmp/x",))
     mounts = {m.target: m for m in container.mounts}
     assert sorted(mounts) == ["/home/u/proj", "/tmp/kaitian-0/r.1.abc", "/tmp/x", "/usr"]
     assert all(m.source == m.target for m in mounts.values())
@@ -292,8 +286,7 @@ def test_mounts_are_exactly_the_run_directories_never_a_parent():
 def test_the_root_directory_is_never_mounted():
     w = [LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (0,))]
     with pytest.raises(DockerOptionError, match="not /"):
-        container_spec(group="cpu0", workers=w, image="i", cpu_quota=None, run_id="r", run_dir="/tmp/kaitian-0/r",
-                       cwd="/", log_dirs=(), options=DockerOptions(), agent=AGENT)
+        container_spec("cpu0", w, _host(run_dir="/tmp/kaitian-0/r", cwd="/"), DockerOptions())
 
 
 @pytest.mark.parametrize("user,asked,caps", [
@@ -363,10 +356,10 @@ def test_a_worker_seen_ended_by_the_engine_keeps_the_output_its_stream_still_car
         exec_inspect=lambda _id: {"Running": False, "ExitCode": 3, "Pid": 4242},
     )
     (tmp_path / "pid").write_text("42")
-    spec = SimpleNamespace(cmd=["true"], env_list=lambda: [], workdir="/", user="0:0", local_rank=1,
+    spec = SimpleNamespace(cmd=["true"], env={}, workdir="/", user="0:0", local_rank=1,
                            pid_file=str(tmp_path / "pid"))
     ex = _Exec(SimpleNamespace(api=api), "container", spec, str(tmp_path / "out.log"), str(tmp_path / "err.log"), "")
-    ex.start()
+    ex.thread.start()
     assert ex.started.wait(10)
     threading.Timer(0.5, release.set).start()
     ex.poll_engine()  # the agent's periodic question, while the stream still carries output

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 from kaitian.devices.device import ContainerDevices, WorkerDevice
 from kaitian.launcher.workers import LocalWorker
+from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 from kaitian.launcher.runtimes.docker.start import LABEL_SPEC, AgentIdentity
 from kaitian.launcher.runtimes.docker.options import DockerOptions, Mount
 from kaitian.launcher.runtimes.docker.start import (
@@ -24,10 +26,14 @@ WORKERS = {
 
 
 def _host(**fields):
-    base = dict(run_id="run-1", run_dir="/runs/r1", cwd="/home/u/proj", log_dir=None, agent=AGENT, user="1000:1000",
-                images={"kaitian:cpu": ImageInfo((Mount("/usr", "/usr", True),), "/opt/py/bin/python")},
-                cpu_quotas={"cpu1": 0.5}, host_python=("/venv/bin/python",), device_nodes=())
+    base = dict(run=RunContext("run-1", "/runs/r1", None, "/home/u/proj", cpu_quotas={"cpu1": 0.5}), agent=AGENT,
+                user="1000:1000", images={"kaitian:cpu": ImageInfo((Mount("/usr", "/usr", True),), "/opt/py/bin/python")},
+                host_python=("/venv/bin/python",), device_nodes=())
     return DockerHost(**{**base, **fields})
+
+
+def _job(workers, entrypoint, args, envs, log_dir=None):
+    return WorkerStart("w", entrypoint, args, envs, SimpleNamespace(root_log_dir=log_dir), workers)
 
 
 # One value other than the default for each of a container's settings.
@@ -41,8 +47,7 @@ OTHER = {
 def test_every_container_setting_is_in_its_digest():
     """The digest is computed from the spec's fields: a setting added to ContainerSpec is in it
     (this table must name it, or the test fails), and changing any one makes another container."""
-    spec = container_spec(group="cpu0", workers=[WORKERS[0]], image="kaitian:cpu", cpu_quota=None, run_id="r",
-                          run_dir="/runs/r1", cwd="/w", log_dirs=(), options=DockerOptions(), agent=AGENT)
+    spec = container_spec("cpu0", [WORKERS[0]], _host(run=RunContext("r", "/runs/r1", None, "/w")), DockerOptions())
     settings = {f.name for f in dataclasses.fields(ContainerSpec)} - set(ContainerSpec.IDENTITY)
     assert set(OTHER) == settings == set(spec.settings)
     for name, value in OTHER.items():
@@ -56,8 +61,8 @@ def test_every_container_setting_is_in_its_digest():
 
 def test_docker_start_plans_a_container_per_group_and_an_exec_per_worker():
     envs = {k: {"RANK": str(k), "KAITIAN_RUN_DIR": "/runs/r1/start0", "PATH": "/host/bin"} for k in WORKERS}
-    plan = docker_start(WORKERS, "/venv/bin/python", {k: ("-u", "train.py") for k in WORKERS}, envs,
-                        LogFiles("/logs", stdouts={0: "/logs/0/stdout.log"}, error_files={2: "/logs/a/2/error.json"}),
+    plan = docker_start(_job(WORKERS, "/venv/bin/python", {k: ("-u", "train.py") for k in WORKERS}, envs, "/logs"),
+                        LogFiles(stdouts={0: "/logs/0/stdout.log"}, error_files={2: "/logs/a/2/error.json"}),
                         _host(hands_over=True, agent_env={"SHARED": "a", "RANK": "x", "LD_PRELOAD": "/h.so"}),
                         DockerOptions())
     assert [c.group for c in plan.containers] == ["cpu0", "cpu1"]
@@ -80,7 +85,7 @@ def test_docker_start_plans_a_container_per_group_and_an_exec_per_worker():
 
 
 def test_kept_containers_mount_the_directory_of_all_runs():
-    plan = docker_start({0: WORKERS[0]}, "/bin/tool", {0: ()}, {0: {}}, LogFiles(), _host(),
+    plan = docker_start(_job({0: WORKERS[0]}, "/bin/tool", {0: ()}, {0: {}}), LogFiles(), _host(),
                         DockerOptions(keep_containers=True))
     (container,) = plan.containers
     assert "/runs" in [m.target for m in container.mounts] and not container.tied

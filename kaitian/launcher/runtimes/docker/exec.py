@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -22,6 +21,7 @@ from kaitian.launcher.runtimes.docker.start import ExecSpec
 
 if TYPE_CHECKING:
     from kaitian.launcher.runtimes.base import WorkerStart
+    from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = ["DockerExecContext", "exit_code_from_docker", "stop_command"]
 
@@ -34,37 +34,28 @@ _ENGINE_POLL_S = 2.0
 
 
 def exit_code_from_docker(code: Optional[int]) -> int:
-    """torchrun's exit code (``-N`` for signal N) from the Engine's (``128 + N``, as a shell's)."""
+    """torchrun's ``-N`` for signal N from the Engine's ``128 + N``."""
     if code is None:
         return -9
     return -(code - 128) if 128 < code < 128 + 65 else code
 
 
-def stop_command(pgids: Iterable[int], sig_name: str) -> Tuple[str, ...]:
-    """Signals whole worker process groups inside a container; one already gone does not stop the others."""
-    sig = sig_name[3:] if sig_name.startswith("SIG") else sig_name
-    parts = [f"kill -s {shlex.quote(sig)} -- -{int(p)} 2>/dev/null || true" for p in pgids]
-    return ("sh", "-c", "; ".join(parts) or "true")
+def stop_command(pgids: Iterable[int], sig: signal.Signals) -> Tuple[str, ...]:
+    """Signals worker process groups inside a container; one already gone does not stop the others."""
+    return ("sh", "-c", "; ".join(f"kill -s {sig.name[3:]} -- -{int(p)} 2>/dev/null || true" for p in pgids) or "true")
 
 
 def _wait_for(read: Callable[[], Optional[int]], seconds: float, step: float,
               done: Optional[threading.Event] = None) -> Optional[int]:
-    """``read()`` again until it gives a value, ``seconds`` pass or ``done`` is set."""
     deadline = time.monotonic() + seconds
     while (value := read()) is None and time.monotonic() < deadline and not (done and done.is_set()):
         time.sleep(step)
     return value
 
 
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
 class _Lines:
-    """One output stream in whole lines (the tee tails log files by line): to the rank's log file, opened
-    at its first line (a worker that writes its log itself creates it as its own user), or to the
-    console with the rank's prefix."""
+    """An exec's output stream in whole lines (torch tails log files by line) to the rank's log file, opened
+    at its first line (a worker writing its own log creates it as its user), or to the console."""
 
     def __init__(self, path: str, console: IO[bytes], prefix: bytes) -> None:
         self.path, self.console, self.prefix = path, console, prefix
@@ -93,7 +84,7 @@ class _Lines:
 
 
 class _Exec:
-    """One worker's ``docker exec``: started, streamed, and its exit recorded, on its own thread."""
+    """One worker's ``docker exec``: started, streamed and its exit recorded on its own thread."""
 
     def __init__(self, client: object, container_id: str, spec: ExecSpec, stdout: str, stderr: str,
                  prefix: str) -> None:
@@ -107,18 +98,14 @@ class _Exec:
         self._err = _Lines(stderr, sys.stderr.buffer, prefix.encode())
         self.thread = threading.Thread(target=self._run, name=f"kaitian-docker-exec-{spec.local_rank}", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
     @property
     def code(self) -> Optional[int]:
-        """The exit code once it ended (1 if none is known), else ``None``."""
         return (1 if self.exit_code is None else self.exit_code) if self.done.is_set() else None
 
     def _run(self) -> None:
         api = self.client.api
         try:
-            self.exec_id = api.exec_create(self.container_id, list(self.spec.cmd), environment=self.spec.env_list(),
+            self.exec_id = api.exec_create(self.container_id, list(self.spec.cmd), environment=dict(self.spec.env),
                                            workdir=self.spec.workdir, user=self.spec.user)["Id"]
             stream = api.exec_start(self.exec_id, stream=True, demux=True)
             # The wrapper writes its pid first: pids are known once start() returns, as for local processes.
@@ -142,7 +129,6 @@ class _Exec:
             self.done.set()
 
     def _ended(self) -> Optional[int]:
-        """The Engine's exit code of the exec, ``None`` while it runs."""
         info = self.client.api.exec_inspect(self.exec_id)
         return None if info.get("Running") else info.get("ExitCode")
 
@@ -160,8 +146,7 @@ class _Exec:
                 self.exit_code = exit_code_from_docker(code)
                 self.done.set()
 
-    def container_pid(self, wait: float = _PID_WAIT_S) -> Optional[int]:
-        """The worker's pid (= its process group) inside the container."""
+    def container_pid(self) -> Optional[int]:
         def read() -> Optional[int]:
             try:
                 with open(self.spec.pid_file) as f:
@@ -169,61 +154,56 @@ class _Exec:
             except (OSError, ValueError):
                 return None
 
-        return _wait_for(read, wait, 0.005, self.done)
+        return _wait_for(read, _PID_WAIT_S, 0.005, self.done)
 
 
 class DockerExecContext(PContext):
-    """A ``PContext`` of ``docker exec`` workers. ``prepare`` (the runtime's) is called at the start,
-    once torch has decided the log and error files the containers must show, and returns each
-    process's exec and container id."""
+    """``prepare`` (the runtime's) is called at the start, once torch has decided the log and error files
+    the containers must show, and returns each process's exec and container id."""
 
     def __init__(self, job: "WorkerStart", prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecSpec, str]]],
-                 client: object, duplicate_stdout_filters: Optional[List[str]] = None,
-                 duplicate_stderr_filters: Optional[List[str]] = None) -> None:
+                 client: object, options: "RuntimeOptions") -> None:
         call_supported(
             super().__init__, job.name, job.entrypoint, job.args, job.envs, job.logs_specs,
-            job.log_line_prefixes, duplicate_stdout_filters=duplicate_stdout_filters,
-            duplicate_stderr_filters=duplicate_stderr_filters,
+            job.log_line_prefixes, duplicate_stdout_filters=options.duplicate_stdout_filters,
+            duplicate_stderr_filters=options.duplicate_stderr_filters,
         )
         self._prepare, self._client = prepare, client
         self._prefixes = job.log_line_prefixes or {}
         self._execs: Dict[int, _Exec] = {}
-        self._failures: Dict[int, ProcessFailure] = {}
-        self._running = set(range(self.nprocs))
+        self._failures: Dict[int, ProcessFailure] = {}  # in the order seen: the first is the root cause
         self._last_engine_poll = 0.0
 
     def _start(self) -> None:
-        if self._execs:
-            raise ValueError("docker exec context started twice")
         for rank, (spec, container_id) in sorted(self._prepare(self).items()):
-            _unlink(spec.pid_file)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spec.pid_file)
             self._execs[rank] = _Exec(self._client, container_id, spec, self.stdouts[rank], self.stderrs[rank],
                                       self._prefixes.get(rank, ""))
         for ex in self._execs.values():
-            ex.start()
+            ex.thread.start()
         for ex in self._execs.values():
             ex.started.wait(60)
 
-    def _poll_engine(self) -> None:
+    def exit_codes(self) -> Dict[int, Optional[int]]:
+        """Each worker's exit code (``None`` while it runs), stopping nobody (``--on-failure continue``)."""
         if time.monotonic() - self._last_engine_poll > _ENGINE_POLL_S:
             self._last_engine_poll = time.monotonic()
             for ex in self._execs.values():
                 ex.poll_engine()
+        return {rank: ex.code for rank, ex in self._execs.items()}
 
-    def _capture(self) -> None:
-        self._poll_engine()
-        for rank in sorted(self._running):
-            code = self._execs[rank].code
-            if code is None:
-                continue
-            self._running.discard(rank)
-            if code != 0 and rank not in self._failures:
+    def _capture(self) -> bool:
+        """Whether a worker still runs; records new failures."""
+        codes = self.exit_codes()
+        for rank, code in sorted(codes.items()):
+            if code and rank not in self._failures:
                 self._failures[rank] = ProcessFailure(local_rank=rank, pid=self._execs[rank].host_pid or -1,
                                                       exitcode=code, error_file=self.error_files.get(rank, ""))
+        return None in codes.values()
 
     def _poll(self) -> Optional[RunProcsResult]:
-        self._capture()
-        if self._running and not self._failures:
+        if self._capture() and not self._failures:
             return None
         self.close()
         self._capture()
@@ -237,11 +217,6 @@ class DockerExecContext(PContext):
         else:
             result.return_values = dict.fromkeys(range(self.nprocs))
         return result
-
-    def exit_codes(self) -> Dict[int, Optional[int]]:
-        """Each worker's exit code (``None`` while it runs), stopping nobody (``--on-failure continue``)."""
-        self._poll_engine()
-        return {rank: ex.code for rank, ex in self._execs.items()}
 
     def kill(self, rank: int) -> None:
         self._signal([self._execs[rank]], signal.SIGKILL)
@@ -260,12 +235,12 @@ class DockerExecContext(PContext):
         for (container_id, user), pgids in by_container.items():
             try:
                 api = self._client.api
-                api.exec_start(api.exec_create(container_id, list(stop_command(pgids, sig.name)), user=user)["Id"])
+                api.exec_start(api.exec_create(container_id, list(stop_command(pgids, sig)), user=user)["Id"])
             except Exception as exc:  # noqa: BLE001 (container already gone: workers are too)
                 logger.warning("could not signal workers in container %s: %s", container_id[:12], exc)
 
     def _stop(self, execs: List[_Exec], sig: signal.Signals, timeout: float) -> List[_Exec]:
-        """Signals ``execs``; those still running after ``timeout``."""
+        """Those of ``execs`` still running ``timeout`` after the signal."""
         self._signal(execs, sig)
         end = time.monotonic() + timeout
         for ex in execs:
@@ -279,7 +254,7 @@ class DockerExecContext(PContext):
                 "Sending worker %s (local rank %s, in container) closing signal %s",
                 ex.host_pid, ex.spec.local_rank, death_sig.name,
             )
-        still = self._stop(live, death_sig, timeout) if live else []
+        still = self._stop(live, death_sig, timeout)
         if still:
             logger.warning(
                 "Unable to stop %d worker(s) via %s, killing them with SIGKILL", len(still), death_sig.name
@@ -287,4 +262,5 @@ class DockerExecContext(PContext):
             self._stop(still, signal.SIGKILL, _KILL_WAIT_S)
         for ex in self._execs.values():
             ex.thread.join(1.0)
-            _unlink(ex.spec.pid_file)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ex.spec.pid_file)

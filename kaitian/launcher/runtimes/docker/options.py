@@ -19,14 +19,12 @@ _USER = re.compile(r"^\d+(:\d+)?$")
 
 @dataclass(frozen=True)
 class Mount:
-    """A bind mount ``source`` (host) -> ``target`` (container)."""
-
     source: str
     target: str
     read_only: bool = False
 
     def to_docker(self) -> Dict[str, object]:
-        # The Engine's key names: it ignores their case, but would not match read_only to ReadOnly.
+        # the Engine ignores key case, but would not match read_only to ReadOnly
         return {"Type": "bind", "Source": self.source, "Target": self.target, "ReadOnly": self.read_only}
 
 
@@ -46,8 +44,7 @@ def parse_volume(spec: str) -> Mount:
 
 @dataclass(frozen=True)
 class DockerOptions:
-    """``--image`` (by group or vendor), ``--keep-containers``, ``-v``, ``--shm-size`` and
-    ``--container-user`` as ``uid:gid`` (``None``: the runtime chooses, see ``start.choose_user``)."""
+    """``user``: ``--container-user`` as ``uid:gid`` (``None``: the runtime chooses, ``start.choose_user``)."""
 
     images: Mapping[str, str] = field(default_factory=dict)
     keep_containers: bool = False
@@ -58,11 +55,10 @@ class DockerOptions:
     @classmethod
     def from_flags(cls, *, images: Iterable[str] = (), keep_containers: bool = False, volumes: Iterable[str] = (),
                    shm_size: str = "2g", container_user: Optional[str] = None) -> "DockerOptions":
-        """The flags as given on the command line, checked."""
         by_name: Dict[str, str] = {}
         for value in images:
-            key, sep, ref = value.partition("=")
-            if not sep or not key or not ref:
+            key, _, ref = value.partition("=")
+            if not key or not ref:
                 raise DockerOptionError(
                     f"--image {value!r}: expected VENDOR_OR_GROUP=IMAGE[:TAG], e.g. cuda=kaitian:cuda"
                 )
@@ -76,12 +72,12 @@ class DockerOptions:
                 raise DockerOptionError(f"--container-user {user!r}: expected root, UID or UID:GID")
             uid, _, gid = user.partition(":")
             user = f"{int(uid)}:{int(gid or uid)}"
-        if not _SHM_SIZE.match(shm_size or "2g"):
+        shm_size = shm_size or "2g"
+        if not _SHM_SIZE.match(shm_size):
             raise DockerOptionError(f"--shm-size {shm_size!r}: expected a size such as 2g or 512m")
-        return cls(by_name, keep_containers, mounts, shm_size or "2g", user)
+        return cls(by_name, keep_containers, mounts, shm_size, user)
 
     @classmethod
     def from_args(cls, args: object, config: object) -> "DockerOptions":
-        """From kaitianrun's parsed flags (the registry's ``from_args`` of every runtime)."""
         return cls.from_flags(images=args.image, keep_containers=args.keep_containers, volumes=args.volume,
                               shm_size=args.shm_size, container_user=args.container_user)

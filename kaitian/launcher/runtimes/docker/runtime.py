@@ -1,8 +1,8 @@
 """The docker runtime: carries out each start's plan (``start``) against the Docker engine.
 
 Workers run as ``docker exec`` (``exec``) in one container per kaitian group, reused across restarts
-of the group and tied to the agent's life (``start.MAIN_TIED``). The docker SDK is imported on first
-use, so ``kaitianrun`` without ``--runtime docker`` never needs it.
+of the group and tied to the agent's life. The docker SDK is imported on first use, so ``kaitianrun``
+without ``--runtime docker`` never needs it.
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ __all__ = ["DockerRuntime", "connect", "list_containers", "remove_container"]
 
 logger = logging.getLogger(__name__)
 
-# The environment's client once it answered: the agent, its stale collection and its runtime share it.
-_default_client: object = None
+_env_client: object = None
 
 
 def connect(client: object = None) -> object:
-    """A docker SDK client that answered a ping: ``client`` (tests), else the environment's (``DOCKER_HOST``)."""
+    """A docker SDK client that answered a ping: ``client`` (tests), else the environment's (``DOCKER_HOST``),
+    made once: the agent, its stale collection and its runtime share it."""
+    global _env_client
+    if client is None and _env_client is not None:
+        return _env_client
     try:
         import docker
         import docker.errors
@@ -48,15 +51,10 @@ def connect(client: object = None) -> object:
         raise DockerUnavailableError("the docker runtime needs the docker SDK: pip install 'docker>=7'") from None
     import requests.exceptions
 
-    global _default_client
-    if client is None and _default_client is not None:
-        return _default_client
     where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-    fresh = client is None
     try:
-        if fresh:
-            client = docker.DockerClient.from_env(max_pool_size=64)
-        client.ping()
+        pinged = docker.DockerClient.from_env(max_pool_size=64) if client is None else client
+        pinged.ping()
     except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
         if any(isinstance(e, PermissionError) for e in (exc, exc.__context__)) or "Permission denied" in str(exc):
             raise DockerUnavailableError(
@@ -67,9 +65,9 @@ def connect(client: object = None) -> object:
             f"cannot reach the Docker daemon at {where}: start it "
             "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
         ) from None
-    if fresh:
-        _default_client = client
-    return client
+    if client is None:
+        _env_client = pinged
+    return pinged
 
 
 def _not_found(exc: BaseException) -> bool:
@@ -77,7 +75,6 @@ def _not_found(exc: BaseException) -> bool:
 
 
 def _pid_namespace(container: object) -> Optional[int]:
-    """A running container's pid namespace (inode), if this host can see it."""
     try:
         container.reload()  # listed containers carry only a summary
         pid = int(container.attrs["State"]["Pid"] or 0)
@@ -87,7 +84,7 @@ def _pid_namespace(container: object) -> Optional[int]:
 
 
 def remove_container(container: object) -> None:
-    """Removes a container (and what runs in it) and the kaitian shared memory its pid namespace left."""
+    """Removes a container and the kaitian shared memory its pid namespace left."""
     from kaitian.backend.shm_gc import collect_namespace_segments
 
     pid_ns = _pid_namespace(container)
@@ -101,7 +98,7 @@ def remove_container(container: object) -> None:
 
 
 def _removed(remove: Callable[[], None], what: str) -> bool:
-    """Whether ``remove()`` removed a container; one gone already is no failure, others are warned of."""
+    """Whether ``remove()`` removed a container; failures but one gone already are warned of."""
     try:
         remove()
         return True
@@ -112,7 +109,7 @@ def _removed(remove: Callable[[], None], what: str) -> bool:
 
 
 def list_containers(client: object, labels: Mapping[str, str]) -> List[object]:
-    """Containers (any state) carrying ``labels``; one removed between listing and inspection is skipped."""
+    """Containers (any state) carrying ``labels``, but one removed meanwhile."""
     found = []
     for summary in client.api.containers(all=True, filters={"label": [f"{k}={v}" for k, v in labels.items()]}):
         try:
@@ -129,7 +126,6 @@ def agent_identity() -> AgentIdentity:
 
 
 def owner_alive(labels: Mapping[str, str]) -> bool:
-    """Whether the agent named in a container's labels still runs on this host."""
     try:
         start = process_start_time(int(labels.get(LABEL_AGENT_PID, "")))
     except ValueError:
@@ -138,7 +134,7 @@ def owner_alive(labels: Mapping[str, str]) -> bool:
 
 
 class DockerRuntime(Runtime):
-    """Each group's workers in its own container; ``client``: a docker SDK client (tests)."""
+    """``client``: a docker SDK client (tests)."""
 
     name = "docker"
 
@@ -146,31 +142,29 @@ class DockerRuntime(Runtime):
         super().__init__(ctx)
         self.options: DockerOptions = ctx.options.of(self.name, DockerOptions)
         self._given_client = client
-        self._agent = agent_identity()
         self._containers: Dict[str, str] = {}  # group -> this run's container id
         self._ties: Dict[str, object] = {}  # container id -> the agent's stdin attach
         self._images: Dict[str, ImageInfo] = {}
-        st = os.stat(ctx.cwd)
-        self.user = choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
-        # a root agent gives the workers' directories to their (other) user
-        self._hands_over = os.getuid() == 0 and self.user != ROOT_USER
+        st, python = os.stat(ctx.cwd), sys.executable
+        user = choose_user(self.options.user, os.getuid(), os.getgid(), (st.st_uid, st.st_gid))
+        self._host = DockerHost(ctx, agent_identity(), user, hands_over=os.getuid() == 0 and user != ROOT_USER,
+                                host_python=tuple(sorted({python, os.path.abspath(python), os.path.realpath(python)})))
 
     @functools.cached_property
     def client(self) -> object:
         return connect(self._given_client)
 
     def start(self, job: WorkerStart) -> PContext:
-        """Plans the start, makes or reuses its containers, then execs each worker."""
         entrypoint, args = as_binary(job.entrypoint, job.args)
         job = replace(job, entrypoint=entrypoint, args=args)
-        self._host(job.workers)  # images checked before anything is started, so a missing one fails alone
+        self._host_for(job.workers)  # images checked before anything is started, so a missing one fails alone
 
         def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecSpec, str]]:
-            root = getattr(job.logs_specs, "root_log_dir", None)  # custom LogsSpecs may have none
-            return self._carry_out(self.docker_start(job, LogFiles(root, pc.stdouts, pc.stderrs, pc.error_files)))
+            host = self._host_for(job.workers)
+            return self._carry_out(docker_start(job, LogFiles(pc.stdouts, pc.stderrs, pc.error_files), host,
+                                                self.options), host)
 
-        pc = DockerExecContext(job, prepare, self.client, self.ctx.options.duplicate_stdout_filters,
-                               self.ctx.options.duplicate_stderr_filters)
+        pc = DockerExecContext(job, prepare, self.client, self.ctx.options)
         try:
             pc.start()
         except BaseException:  # (a Ctrl-C while the log tails start) the agent never sees this context
@@ -178,10 +172,14 @@ class DockerRuntime(Runtime):
             raise
         return pc
 
-    def docker_start(self, job: WorkerStart, logs: LogFiles) -> DockerStart:
-        """What starting ``job`` creates and execs (reads image labels; changes nothing)."""
-        return docker_start(job.workers, job.entrypoint, job.args, job.envs, logs, self._host(job.workers),
-                            self.options)
+    def docker_start(self, job: WorkerStart, logs: LogFiles = LogFiles()) -> DockerStart:
+        """What starting ``job`` creates and execs (``--dry-run``): reads image labels, changes nothing."""
+        return docker_start(job, logs, self._host_for(job.workers), self.options)
+
+    def _host_for(self, workers: Dict[int, LocalWorker]) -> DockerHost:
+        refs = {image_for(g, members[0].device.type, self.options.images) for g, members in groups_of(workers).items()}
+        return replace(self._host, run=self.ctx, images={ref: self._image(ref) for ref in sorted(refs)},
+                       cgroup_parent=self._cgroup_parent, agent_env=dict(os.environ))
 
     def devices_seen(self, workers: Dict[int, LocalWorker]) -> Dict[int, ContainerDevices]:
         devices = {group: group_devices(group, members)[1] for group, members in groups_of(workers).items()}
@@ -194,7 +192,6 @@ class DockerRuntime(Runtime):
         pcontext.kill(key)
 
     def shutdown(self) -> None:
-        """Removes this run's containers unless ``--keep-containers``. Idempotent."""
         if not self.options.keep_containers:
             for group, cid in list(self._containers.items()):
                 if _removed(lambda: remove_container(self.client.containers.get(cid)), f"container {cid[:12]}"):
@@ -206,15 +203,14 @@ class DockerRuntime(Runtime):
         self._ties.clear()
 
     @classmethod
-    def collect_stale(cls, client: object = None) -> List[str]:
-        """Removes the run containers of this host whose agent died before it could tie them; returns
-        their names. Kept containers (``--keep-containers``) are meant to outlive their run."""
+    def collect_stale(cls) -> List[str]:
+        """Removes the run containers of this host whose agent died before it could tie them; their names.
+        Kept containers are meant to outlive their run."""
         labels = {LABEL_MANAGED: "1", LABEL_KEEP: "0", LABEL_AGENT_HOST: socket.gethostname()}
-        stale = [c for c in list_containers(connect(client), labels) if not owner_alive(c.labels)]
+        stale = [c for c in list_containers(connect(), labels) if not owner_alive(c.labels)]
         return [c.name for c in stale if _removed(functools.partial(remove_container, c), f"stale container {c.name}")]
 
     def _image(self, ref: str) -> ImageInfo:
-        """An image's kaitian labels, read once."""
         if ref not in self._images:
             import docker.errors
 
@@ -235,8 +231,8 @@ class DockerRuntime(Runtime):
 
     @functools.cached_property
     def _cgroup_parent(self) -> Optional[str]:
-        """The agent's own cgroup where the engine can make containers in it: only with the cgroupfs driver
-        on cgroup v1 (the systemd driver wants a slice; v2 forbids child groups next to processes)."""
+        """The agent's own cgroup, where the engine can nest containers: the cgroupfs driver on cgroup v1 (the
+        systemd driver wants a slice; v2 forbids child groups next to processes)."""
         try:
             info = self.client.info()
             if info.get("CgroupDriver") == "cgroupfs" and str(info.get("CgroupVersion", "1")) == "1":
@@ -249,40 +245,25 @@ class DockerRuntime(Runtime):
             pass
         return None
 
-    def _host(self, workers: Dict[int, LocalWorker]) -> DockerHost:
-        """What the plan of a start of ``workers`` depends on outside it (raises if an image is missing)."""
-        refs = {image_for(g, members[0].device.type, self.options.images) for g, members in groups_of(workers).items()}
-        python = sys.executable
-        return DockerHost(
-            run_id=self.ctx.run_id, run_dir=self.ctx.run_dir, cwd=self.ctx.cwd, log_dir=self.ctx.log_dir,
-            agent=self._agent, user=self.user, hands_over=self._hands_over,
-            images={ref: self._image(ref) for ref in sorted(refs)}, cgroup_parent=self._cgroup_parent,
-            cpu_quotas=self.ctx.cpu_quotas,
-            host_python=tuple(sorted({python, os.path.abspath(python), os.path.realpath(python)})),
-            agent_env=dict(os.environ),
-        )
-
-    def _carry_out(self, plan: DockerStart) -> Dict[int, Tuple[ExecSpec, str]]:
-        """Makes the plan's directories and containers: each worker's exec and its container's id."""
+    def _carry_out(self, plan: DockerStart, host: DockerHost) -> Dict[int, Tuple[ExecSpec, str]]:
+        """Each worker's exec and its container's id."""
         for path in plan.make_dirs:
             os.makedirs(path, exist_ok=True)
-        if self.options.keep_containers and self._hands_over:
-            # Kept containers mount the directory of all run directories: traversable, not listable,
-            # so run directories stay owner-only.
-            os.chmod(os.path.dirname(os.path.abspath(self.ctx.run_dir)), 0o711)
-        os.makedirs(os.path.join(self.ctx.run_dir, "docker-pids"), mode=0o700, exist_ok=True)
-        uid, _, gid = self.user.partition(":")
+        if self.options.keep_containers and host.hands_over:
+            # kept containers mount the directory of all run directories: traversable, not listable
+            os.chmod(os.path.dirname(os.path.abspath(host.run.run_dir)), 0o711)
+        os.makedirs(host.pid_dir, mode=0o700, exist_ok=True)
+        user = host.user  # uid:gid, as from_flags and choose_user make it
         for path in plan.hand_over:  # a root agent made them owner-only: the workers' user must write there
             try:
-                os.chown(path, int(uid), int(gid or uid))
+                os.chown(path, *map(int, user.split(":")))
             except OSError as exc:
-                logger.warning("could not hand %s to the container user %s: %s", path, self.user, exc)
+                logger.warning("could not hand %s to the container user %s: %s", path, user, exc)
         for container in plan.containers:
             self._containers[container.group] = self._ensure(container)
         return {key: (ex, self._containers[ex.group]) for key, ex in plan.execs.items()}
 
     def _ensure(self, spec: ContainerSpec) -> str:
-        """The id of a running container matching ``spec``: reused or created."""
         import docker.errors
 
         client, labels = self.client, spec.labels

@@ -21,18 +21,15 @@ from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
 from kaitian.errors import DockerOptionError
 from kaitian.launcher.workers import LocalWorker
+from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
 from kaitian.settings import Settings
 
-__all__ = [
-    "ContainerSpec", "ExecSpec", "DockerHost", "DockerStart", "ImageInfo", "LogFiles", "docker_start",
-    "container_spec", "exec_spec", "container_env", "choose_user", "image_for", "group_devices", "groups_of",
-    "as_binary", "inside", "outermost", "AgentIdentity", "MAIN_TIED", "MAIN_KEPT", "WRAPPER_SCRIPT",
-]
+__all__ = ["AgentIdentity", "ContainerSpec", "ExecSpec", "ImageInfo", "DockerHost", "DockerStart", "LogFiles",
+           "docker_start", "container_spec", "exec_spec", "choose_user", "as_binary", "outermost"]
 
 # Labels are the only state kept outside the agent: a container's run, group, shape (spec) and owning
-# agent, so a later agent tells a live owner from a dead one. Image labels (`kaitian images build`):
-# host paths the image needs mounted at the same path, and its python.
+# agent (a later agent tells a live owner from a dead one); an image's host mounts and python.
 LABEL_MANAGED = "org.kaitian.managed"
 LABEL_RUN_ID = "org.kaitian.run-id"
 LABEL_VENDOR = "org.kaitian.vendor"
@@ -45,14 +42,13 @@ LABEL_SPEC = "org.kaitian.spec"
 LABEL_HOST_MOUNTS = "org.kaitian.host-mounts"
 LABEL_PYTHON = "org.kaitian.python"
 
-# A run's container lives while the agent's stdin attach is open: when the agent dies, however, the
-# engine closes it, the container stops, its pid namespace dies and the engine removes it.
+# A run's container lives while the agent's stdin attach is open: however the agent dies, the engine
+# closes it and the container stops and is removed.
 MAIN_TIED = ("sh", "-c", "while read -r _; do :; done")
 MAIN_KEPT = ("sleep", "infinity")  # --keep-containers: outlives its agent
 # Every worker's exec: records its in-container pid (= its process group: an exec starts a session;
-# elsewhere setsid makes one without forking), writes straight to its log files when it has them (the
-# exec stream can drop a dying process's last lines), pins its cores, then becomes the worker (so the
-# exec's exit code is the worker's). POSIX sh only, so any image works.
+# elsewhere setsid makes one), writes straight to its log files if it has them (the exec stream can
+# drop a dying process's last lines), pins its cores, then becomes the worker. POSIX sh: any image.
 WRAPPER_SCRIPT = (
     'pidfile=$0; cpus=$1; out=$2; err=$3; shift 3; '
     'read -r _ _ _ _ pgrp _ < /proc/$$/stat; '
@@ -64,10 +60,9 @@ WRAPPER_SCRIPT = (
     'exec "$@"'
 )
 
-# Root, when asked for by name (--container-user root), may write the (non-root) agent's owner-only
-# directories; otherwise root gains nothing and no worker keeps a capability.
+# Root asked for by name (--container-user root) may write a non-root agent's owner-only directories.
 ROOT_CAPABILITIES = ("DAC_OVERRIDE",)
-TMPFS = {"/tmp": "rw,nosuid,nodev,mode=1777"}  # the read-only container's writable /tmp, HOME too
+TMPFS = {"/tmp": "rw,nosuid,nodev,mode=1777"}  # the read-only container's writable /tmp and HOME
 CONTAINER_HOME = "/tmp"
 # Variables of the host's software, not of the job: the image has its own.
 HOST_ONLY_ENV = frozenset({
@@ -77,13 +72,13 @@ HOST_ONLY_ENV = frozenset({
 })
 CPU_PERIOD_US = 100_000
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
-# torchrun's --run-path runs the script with runpy in the worker; in a container, in the image's python.
+# torchrun's --run-path runs the script with runpy in the worker: here in the image's python
 _RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
 @dataclass(frozen=True)
 class AgentIdentity:
-    """The agent owning a container: host, pid and process start time (a recycled pid is not it)."""
+    """A container's owner: host, pid and process start time (a recycled pid is not it)."""
 
     host: str
     pid: int
@@ -96,7 +91,7 @@ def inside(path: str, directory: str) -> bool:
 
 
 def outermost(paths: Iterable[str]) -> List[str]:
-    """The paths not inside another of them, shortest first (one inside another is visible through it)."""
+    """The paths not inside another of them, shortest first."""
     kept: List[str] = []
     for path in sorted(set(paths), key=len):
         if not any(inside(path, k) for k in kept):
@@ -106,22 +101,20 @@ def outermost(paths: Iterable[str]) -> List[str]:
 
 @dataclass(frozen=True)
 class ContainerSpec:
-    """One group's container on this node: its settings are its fields, and its digest covers all but
-    ``IDENTITY``, which names its owner rather than shapes it (a kept container serves later runs)."""
+    """One group's container: its digest covers every field but ``IDENTITY``, which names its owner rather
+    than shapes it (a kept container serves later runs)."""
 
     group: str
     run_id: str
     agent: AgentIdentity
-    # 1024 per worker: the group weighs what as many local processes would. No reason to recreate
-    # it either: a worker restarted alone joins its group's running container.
-    cpu_shares: int
+    cpu_shares: int  # 1024 a worker, as many local processes; a worker restarted alone joins the container
     image: str
     vendor: str
     mounts: Tuple[Mount, ...]
     devices: ContainerDevices = field(default_factory=ContainerDevices)
     user: str = ROOT_USER
     capabilities: Tuple[str, ...] = ()
-    tied: bool = True  # lives only as long as its agent
+    tied: bool = True  # lives as long as its agent
     cpuset: Optional[str] = None
     cpu_quota: Optional[float] = None  # in cores
     cgroup_parent: Optional[str] = None  # the agent's own where allowed: workers compete as local ones
@@ -147,13 +140,13 @@ class ContainerSpec:
 
     @property
     def name(self) -> str:
-        """A kept container outlives its run and serves any later one of the same shape: it names the shape."""
+        """A kept container serves any later run of the same shape: it names the shape."""
         if self.tied:
             return f"kaitian-{_sanitize(self.run_id)[:40]}-{_sanitize(self.group)}-{self.agent.pid}"
         return f"kaitian-{_sanitize(self.group)}-{self.digest[:12]}"
 
     def create_kwargs(self) -> Dict[str, object]:
-        """``client.containers.create``'s arguments; a tied container is made as ``docker run -i --rm``."""
+        """``client.containers.create``'s arguments: a tied container as ``docker run -i --rm``."""
         kwargs: Dict[str, object] = {
             "image": self.image, "command": list(MAIN_TIED if self.tied else MAIN_KEPT), "name": self.name,
             "labels": self.labels, "detach": not self.tied, "stdin_open": self.tied, "auto_remove": self.tied,
@@ -178,17 +171,17 @@ class ContainerSpec:
 
 @dataclass(frozen=True)
 class ExecSpec:
-    """One worker as a ``docker exec`` into its group's container. ``stdout``/``stderr``: the log files
-    (in a mount) the worker writes itself; ``""``: its output comes through the exec's stream."""
+    """One worker's ``docker exec``. ``stdout``/``stderr``: log files (in a mount) the worker writes
+    itself; ``""``: its output comes through the exec's stream."""
 
     local_rank: int
     group: str
-    argv: Tuple[str, ...]  # the worker's program and arguments
-    cpus: str  # the cores it is pinned to ("": none)
     env: Mapping[str, str]
-    workdir: str
     user: str
-    pid_file: str  # where the wrapper writes the in-container pid
+    workdir: str
+    argv: Tuple[str, ...]
+    cpus: str  # its cores ("": not pinned)
+    pid_file: str  # its in-container pid
     stdout: str = ""
     stderr: str = ""
 
@@ -196,13 +189,10 @@ class ExecSpec:
     def cmd(self) -> Tuple[str, ...]:
         return ("sh", "-c", WRAPPER_SCRIPT, self.pid_file, self.cpus, self.stdout, self.stderr, *self.argv)
 
-    def env_list(self) -> List[str]:
-        return [f"{k}={v}" for k, v in self.env.items()]
-
 
 @dataclass(frozen=True)
 class ImageInfo:
-    """What an image declares in its labels: host paths to mount, its python."""
+    """An image's labels: host paths to mount, its python."""
 
     mounts: Tuple[Mount, ...] = ()
     python: str = "python3"
@@ -210,36 +200,32 @@ class ImageInfo:
 
 @dataclass(frozen=True)
 class DockerHost:
-    """What a start depends on outside itself, read by the runtime from the host and the engine.
-
+    """A start's inputs besides its workers: the run, and what the runtime read of the host and engine.
     ``host_python``: the host interpreter's paths (such an entrypoint becomes the image's python);
-    ``device_nodes``: those on this host (``None``: look in ``/dev``); ``agent_env``: what workers
-    inherit beneath their own environments, as torch's subprocesses do.
-    """
+    ``device_nodes``: ``None``: those in ``/dev``; ``agent_env``: what workers inherit, as torch's do."""
 
-    run_id: str
-    run_dir: str
-    cwd: str
-    log_dir: Optional[str]
+    run: RunContext
     agent: AgentIdentity
     user: str
-    hands_over: bool = False  # a root agent gives the workers' directories to their user
+    hands_over: bool = False  # a root agent gives the workers' directories to their (other) user
     images: Mapping[str, ImageInfo] = field(default_factory=dict)
     cgroup_parent: Optional[str] = None
-    cpu_quotas: Mapping[str, float] = field(default_factory=dict)
     host_python: Tuple[str, ...] = ()
     device_nodes: Optional[Tuple[str, ...]] = None
     agent_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def pid_dir(self) -> str:
-        return os.path.join(self.run_dir, "docker-pids")
+        return os.path.join(self.run.run_dir, "docker-pids")
+
+    def image(self, ref: str) -> ImageInfo:
+        return self.images.get(ref, ImageInfo())
 
 
 @dataclass(frozen=True)
 class DockerStart:
-    """One start: containers (reused when one with the same labels and digest runs), the execs by the
-    start's key, directories a root agent hands to the workers' user, and directories to make first."""
+    """One start: containers, the execs by the start's key, directories a root agent hands to the
+    workers' user, and directories to make first."""
 
     containers: Tuple[ContainerSpec, ...]
     execs: Mapping[int, ExecSpec]
@@ -250,20 +236,16 @@ class DockerStart:
         """The plan as YAML (``--dry-run``); a worker's variable equal in ``inherited`` is left out."""
         lines = ["containers:"]
         for c in self.containers:
-            lines.append(f"- name: {c.name}")
-            lines += [f"  {k}: {json.dumps(_plain(v))}" for k, v in {
-                **c.settings, "cpu_shares": c.cpu_shares, "digest": c.digest, "labels": c.labels}.items()]
+            lines += [f"- name: {c.name}", *_yaml({**c.settings, "cpu_shares": c.cpu_shares, "digest": c.digest,
+                                                  "labels": c.labels})]
         names = {c.group: c.name for c in self.containers}
         lines.append("execs:")
-        for key in sorted(self.execs):
-            ex = self.execs[key]
-            lines.append(f"- local_rank: {ex.local_rank}")
-            lines += [f"  {k}: {json.dumps(v)}" for k, v in (
-                ("container", names[ex.group]), ("user", ex.user), ("workdir", ex.workdir),
-                ("argv", list(ex.argv)), ("cpus", ex.cpus), ("pid_file", ex.pid_file), ("stdout", ex.stdout),
-                ("stderr", ex.stderr))]
-            lines.append("  env:  # besides the agent's own")
-            lines += [f"    {k}: {json.dumps(ex.env[k])}" for k in sorted(ex.env) if inherited.get(k) != ex.env[k]]
+        for ex in (self.execs[key] for key in sorted(self.execs)):
+            fields = {"container": names[ex.group], **vars(ex)}
+            env = {k: ex.env[k] for k in sorted(ex.env) if inherited.get(k) != ex.env[k]}
+            lines += [f"- local_rank: {fields.pop('local_rank')}",
+                      *_yaml({k: v for k, v in fields.items() if k not in ("group", "env")}),
+                      "  env:  # besides the agent's own", *_yaml(env, "    ")]
         if self.hand_over:
             lines.append(f"hand_over: {json.dumps(list(self.hand_over))}")
         return "\n".join(lines)
@@ -271,16 +253,14 @@ class DockerStart:
 
 @dataclass(frozen=True)
 class LogFiles:
-    """Where torch put one start's logs, by key (``""``: none); ``root``: the logs specs' root, if any."""
+    """Where torch put one start's logs, by key."""
 
-    root: Optional[str] = None
     stdouts: Mapping[int, str] = field(default_factory=dict)
     stderrs: Mapping[int, str] = field(default_factory=dict)
     error_files: Mapping[int, str] = field(default_factory=dict)
 
 
 def _plain(value: object) -> object:
-    """JSON-ready: dataclasses as dicts, tuples as lists, mapping keys as strings."""
     if dataclasses.is_dataclass(value):
         return _plain(dataclasses.asdict(value))
     if isinstance(value, Mapping):
@@ -290,13 +270,17 @@ def _plain(value: object) -> object:
     return value
 
 
+def _yaml(fields: Mapping[str, object], indent: str = "  ") -> List[str]:
+    return [f"{indent}{k}: {json.dumps(_plain(v))}" for k, v in fields.items()]
+
+
 def _sanitize(text: str) -> str:
     return _NAME_UNSAFE.sub("-", text).strip("-.") or "x"
 
 
 def choose_user(requested: Optional[str], agent_uid: int, agent_gid: int, cwd_owner: Tuple[int, int]) -> str:
-    """``--container-user``; else for a root agent in a user's project (``sudo kaitianrun``) the project's
-    owner; else the agent itself, so workers write where local ones would."""
+    """``--container-user``; else for a root agent in a user's project (``sudo kaitianrun``) its owner;
+    else the agent, so workers write where local ones would."""
     if requested:
         return requested
     if agent_uid == 0 and cwd_owner[0] != 0:
@@ -305,20 +289,14 @@ def choose_user(requested: Optional[str], agent_uid: int, agent_gid: int, cwd_ow
 
 
 def image_for(group: str, vendor: str, images: Mapping[str, str]) -> str:
-    """``--image GROUP=…``, else ``--image VENDOR=…``, else the vendor table's image."""
-    if group in images:
-        return images[group]
-    if vendor in images:
-        return images[vendor]
-    try:
-        return VENDORS[vendor].image
-    except KeyError:
-        raise DockerOptionError(f"no image for device type {vendor!r}: pass --image {vendor}=IMAGE[:TAG]") from None
+    ref = images.get(group) or images.get(vendor) or getattr(VENDORS.get(vendor), "image", None)
+    if ref is None:
+        raise DockerOptionError(f"no image for device type {vendor!r}: pass --image {vendor}=IMAGE[:TAG]")
+    return ref
 
 
 def group_devices(group: str, workers: Sequence[LocalWorker],
                   device_nodes: Optional[Iterable[str]] = None) -> Tuple[str, ContainerDevices]:
-    """The vendor of a group's container and the devices it holds (raises if it mixes vendors)."""
     vendors = {w.device.type for w in workers}
     if len(vendors) != 1:
         raise DockerOptionError(f"group {group!r} mixes device types {sorted(vendors)}; one vendor per group")
@@ -334,7 +312,7 @@ def groups_of(workers: Mapping[int, LocalWorker]) -> Dict[str, List[LocalWorker]
 
 
 def as_binary(entrypoint: object, args: Mapping[int, Tuple]) -> Tuple[str, Dict[int, Tuple]]:
-    """A program and its arguments: the entrypoint, or for torchrun's ``--run-path`` function ``python -c``."""
+    """A program and its arguments (torchrun's ``--run-path`` function: ``python -c``)."""
     if isinstance(entrypoint, str):
         return entrypoint, dict(args)
     if getattr(entrypoint, "__name__", "") == "run_script_path":
@@ -344,19 +322,18 @@ def as_binary(entrypoint: object, args: Mapping[int, Tuple]) -> Tuple[str, Dict[
     )
 
 
-def container_spec(
-    *, group: str, workers: Sequence[LocalWorker], image: str, cpu_quota: Optional[float], run_id: str,
-    run_dir: str, cwd: str, log_dirs: Iterable[str], options: DockerOptions, agent: AgentIdentity,
-    user: str = ROOT_USER, image_mounts: Iterable[Mount] = (), device_nodes: Optional[Iterable[str]] = None,
-    cgroup_parent: Optional[str] = None,
-) -> ContainerSpec:
-    """The container of one group; ``log_dirs``: host directories its workers write files to."""
-    vendor, devices = group_devices(group, workers, device_nodes)
-    all_cpus = [c for w in workers for c in w.cpus]
-    mounts: Dict[str, Mount] = {m.target: m for m in image_mounts}
+def container_spec(group: str, workers: Sequence[LocalWorker], host: DockerHost, options: DockerOptions,
+                   log_dirs: Iterable[str] = ()) -> ContainerSpec:
+    """``log_dirs``: host directories its workers write files to."""
+    vendor, devices = group_devices(group, workers, host.device_nodes)
+    image = image_for(group, vendor, options.images)
+    mounts = {m.target: m for m in host.image(image).mounts}
+    run_dir = os.path.abspath(host.run.run_dir)
+    # kept containers mount the directory of all run directories: later runs' are new siblings there
+    state_dir = os.path.dirname(run_dir) if options.keep_containers else run_dir
     # Exactly the run's own directories, never a parent (--log-dir /tmp/x mounts /tmp/x, not /tmp); one
     # inside another is visible already, and leaving it out keeps the shape (so reuse) stable.
-    own = {os.path.abspath(p) for p in (cwd, run_dir, *log_dirs) if p and p != os.devnull}
+    own = {os.path.abspath(p) for p in (host.run.cwd, state_dir, *log_dirs) if p and p != os.devnull}
     if "/" in own:
         raise DockerOptionError(
             "the docker runtime mounts the working and log directories into the containers; "
@@ -366,85 +343,60 @@ def container_spec(
         mounts[path] = Mount(path, path, False)
     for m in options.volumes:
         mounts[m.target] = m
+    cpus = [c for w in workers for c in w.cpus]
     return ContainerSpec(
-        group=group, run_id=run_id, agent=agent, cpu_shares=1024 * max(1, len(workers)),
-        image=image, vendor=vendor, mounts=tuple(mounts[t] for t in sorted(mounts)), devices=devices, user=user,
+        group=group, run_id=host.run.run_id, agent=host.agent, cpu_shares=1024 * len(workers), image=image,
+        vendor=vendor, mounts=tuple(mounts[t] for t in sorted(mounts)), devices=devices, user=host.user,
         capabilities=ROOT_CAPABILITIES if options.user == ROOT_USER else (), tied=not options.keep_containers,
         # pinned only when every worker is
-        cpuset=format_cpulist(all_cpus) if all_cpus and all(w.cpus for w in workers) else None,
-        cpu_quota=cpu_quota, cgroup_parent=cgroup_parent, shm_size=options.shm_size,
+        cpuset=format_cpulist(cpus) if cpus and all(w.cpus for w in workers) else None,
+        cpu_quota=host.run.cpu_quotas.get(group), cgroup_parent=host.cgroup_parent, shm_size=options.shm_size,
     )
 
 
-def container_env(env: Mapping[str, str], mounted: Sequence[str]) -> Dict[str, str]:
-    """A worker's environment inside its container: no host-software variables, ``HOME`` on the tmpfs,
-    ``TMPDIR`` only if it is mounted."""
-    out = {k: v for k, v in env.items() if k not in HOST_ONLY_ENV}
-    out["HOME"] = CONTAINER_HOME
-    tmp = out.get("TMPDIR")
-    if tmp and not any(inside(tmp, m) for m in mounted):
-        del out["TMPDIR"]
-    return out
+def exec_spec(worker: LocalWorker, container: ContainerSpec, argv: Sequence[object], env: Mapping[str, str],
+              host: DockerHost, stdout: str = "", stderr: str = "") -> ExecSpec:
+    """``env`` over the agent's, less the host software's; ``TMPDIR`` and log files only if mounted."""
+    def shown(path: str) -> str:
+        return path if path and any(inside(path, m.target) for m in container.mounts) else ""
+
+    env = {k: v for k, v in {**host.agent_env, **env}.items() if k not in HOST_ONLY_ENV}
+    env["HOME"] = CONTAINER_HOME
+    if env.get("TMPDIR") and not shown(env["TMPDIR"]):
+        del env["TMPDIR"]
+    program = host.image(container.image).python if argv[0] in host.host_python else str(argv[0])
+    return ExecSpec(
+        local_rank=worker.local_rank, group=container.group, env=env, user=container.user,
+        workdir=os.path.abspath(host.run.cwd), argv=(program, *map(str, argv[1:])),
+        cpus=format_cpulist(worker.cpus) if worker.cpus else "",
+        pid_file=os.path.join(host.pid_dir, f"{worker.local_rank}.pid"),  # a worker restarted alone is key 0
+        stdout=shown(stdout), stderr=shown(stderr),
+    )
 
 
-def exec_spec(
-    *, worker: LocalWorker, container: ContainerSpec, entrypoint: str, args: Sequence[object],
-    env: Mapping[str, str], cwd: str, pid_file: str, stdout: str = "", stderr: str = "",
-    host_python: Sequence[str] = (), image_python: str = "python3",
-) -> ExecSpec:
-    """The ``docker exec`` of one worker; a log file its container does not show is streamed instead."""
-    program = image_python if entrypoint in set(host_python) else entrypoint
-    cpus = format_cpulist(worker.cpus) if worker.cpus else ""
-    mounted = [m.target for m in container.mounts]
-    stdout, stderr = (path if path and any(inside(path, m) for m in mounted) else "" for path in (stdout, stderr))
-    return ExecSpec(local_rank=worker.local_rank, group=container.group, argv=(program, *[str(a) for a in args]),
-                    cpus=cpus, env=container_env(env, mounted), workdir=cwd, user=container.user, pid_file=pid_file,
-                    stdout=stdout, stderr=stderr)
-
-
-def docker_start(
-    workers: Mapping[int, LocalWorker], entrypoint: object, args: Mapping[int, Tuple],
-    envs: Mapping[int, Mapping[str, str]], logs: LogFiles, host: DockerHost, options: DockerOptions,
-) -> DockerStart:
-    """The plan of one start: a container per group of ``workers``, an exec per worker (by the start's key)."""
-    program, args = as_binary(entrypoint, args)
-    cwd = os.path.abspath(host.cwd)
-    run_dir = os.path.abspath(host.run_dir)
+def docker_start(job: WorkerStart, logs: LogFiles, host: DockerHost, options: DockerOptions) -> DockerStart:
+    program, args = as_binary(job.entrypoint, job.args)
+    run_dir = os.path.abspath(host.run.run_dir)
     errors = [os.path.dirname(os.path.abspath(p)) for p in logs.error_files.values() if p and p != os.devnull]
-    # Host directories workers write into: exactly those, never a parent.
-    log_dirs = {os.path.abspath(logs.root)} if logs.root and logs.root != os.devnull else set()
+    root = getattr(job.logs_specs, "root_log_dir", None)  # custom LogsSpecs may have none
+    log_dirs = {os.path.abspath(root)} if root and root != os.devnull else set()
     log_dirs |= {d for d in errors if not any(inside(d, m) for m in log_dirs)}
-    if host.log_dir:
-        log_dirs.add(os.path.abspath(host.log_dir))
-    given = [Settings.from_env(env) for env in envs.values()]
+    if host.run.log_dir:
+        log_dirs.add(os.path.abspath(host.run.log_dir))
+    given = [Settings.from_env(env) for env in job.envs.values()]
+    cwd = os.path.abspath(host.run.cwd)
     monitor_dirs = {os.path.abspath(os.path.join(cwd, s.monitor_dir)) for s in given if s.monitor_dir}
     log_dirs |= monitor_dirs  # kaitianrun --monitor: ranks write their samples there
 
-    # Kept containers mount the directory of all run directories: later runs' are new siblings there.
-    state_dir = os.path.dirname(run_dir) if options.keep_containers else run_dir
-    containers: Dict[str, ContainerSpec] = {}
-    for group, members in groups_of(workers).items():
-        ref = image_for(group, members[0].device.type, options.images)
-        containers[group] = container_spec(
-            group=group, workers=members, image=ref, cpu_quota=host.cpu_quotas.get(group), run_id=host.run_id,
-            run_dir=state_dir, cwd=cwd, log_dirs=sorted(log_dirs), options=options, agent=host.agent,
-            user=host.user, image_mounts=host.images.get(ref, ImageInfo()).mounts, device_nodes=host.device_nodes,
-            cgroup_parent=host.cgroup_parent,
-        )
-    execs = {
-        key: exec_spec(
-            worker=w, container=containers[w.device.group], entrypoint=program, args=args[key],
-            env={**host.agent_env, **envs[key]}, cwd=cwd,
-            pid_file=os.path.join(host.pid_dir, f"{w.local_rank}.pid"),  # a worker restarted alone is key 0
-            stdout=logs.stdouts.get(key, ""), stderr=logs.stderrs.get(key, ""), host_python=host.host_python,
-            image_python=host.images.get(containers[w.device.group].image, ImageInfo()).python,
-        )
-        for key, w in workers.items()
-    }
+    containers = {group: container_spec(group, members, host, options, sorted(log_dirs))
+                  for group, members in groups_of(job.workers).items()}
+    execs = {key: exec_spec(w, containers[w.device.group], (program, *args[key]), job.envs[key], host,
+                            logs.stdouts.get(key, ""), logs.stderrs.get(key, ""))
+             for key, w in job.workers.items()}
     hand_over: Tuple[str, ...] = ()
     if host.hands_over:
-        # What a non-root worker writes in: the run, start, pid and monitor directories, and those torch
-        # made for error files below a log directory (never the user's --log-dir itself).
+        # what a non-root worker writes in: the run, start, pid and monitor directories, and those torch
+        # made for error files below a log directory (never the user's --log-dir itself)
         writable = {run_dir, host.pid_dir, *monitor_dirs}
         writable |= {os.path.abspath(s.run_dir) for s in given if s.run_dir}
         roots = [run_dir, *log_dirs]
