@@ -157,10 +157,9 @@ class DockerRuntime(Runtime):
     def start(self, job: WorkerStart) -> PContext:
         entrypoint, args = as_binary(job.entrypoint, job.args)
         job = replace(job, entrypoint=entrypoint, args=args)
-        self._host_for(job.workers)  # images checked before anything is started, so a missing one fails alone
+        host = self._host_for(job.workers)  # images checked before anything is started, so a missing one fails alone
 
         def prepare(pc: DockerExecContext) -> Dict[int, Tuple[ExecSpec, str]]:
-            host = self._host_for(job.workers)
             return self._carry_out(docker_start(job, LogFiles(pc.stdouts, pc.stderrs, pc.error_files), host,
                                                 self.options), host)
 
