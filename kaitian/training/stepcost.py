@@ -41,6 +41,9 @@ ALIKE = 0.05
 _SETTLED = 4
 # ... and steps in a row far off it that start a new fit.
 _NEW_REGIME = 3
+# Steps judged against one fit before it is made again: a step's check then costs a comparison,
+# not a least-squares pass over the window, on the step's own critical path.
+_REFIT_EVERY = 8
 # Up to this many ranks every subset is tried (4096 split computations); beyond, whole vendor
 # groups and the fastest ranks of them.
 _EVERY_SUBSET = 12
@@ -74,6 +77,8 @@ class StepCostFit:
         self.points: Deque[Tuple[int, float]] = deque(maxlen=window)
         self.half_life = half_life
         self._surprises = 0  # steps in a row far off the fit
+        self._reference: Optional[Tuple[StepCost, bool, float]] = None  # (fit, varied, mean size)
+        self._reference_age = 0
 
     def add(self, samples: int, seconds: float) -> None:
         """Adds a step. Steps in a row off what the fit expects by more than twice (either way)
@@ -90,20 +95,25 @@ class StepCostFit:
             for _ in range(len(self.points) - _NEW_REGIME):
                 self.points.popleft()
             self._surprises = 0
+            self._reference = None
 
     def _expected(self, samples: int) -> Tuple[float, float]:
         """The range a step of ``samples`` should take: the fit's prediction; from alike batch
         sizes (fixed and per-sample parts unknown) anything from all-fixed to all-per-sample."""
-        cost = self.cost()
-        if self.varied:
+        if self._reference is None or self._reference_age >= _REFIT_EVERY:
+            mean_n = sum(n for n, _ in self.points) / len(self.points)
+            self._reference, self._reference_age = (self.cost(), self.varied, mean_n), 0
+        self._reference_age += 1
+        cost, varied, mean_n = self._reference
+        if varied:
             return cost.at(samples), cost.at(samples)
-        mean_n = sum(n for n, _ in self.points) / len(self.points)
         per_sample, fixed = cost.at(samples), cost.at(samples) * mean_n / samples
         return min(per_sample, fixed), max(per_sample, fixed)
 
     def clear(self) -> None:
         self.points.clear()
         self._surprises = 0
+        self._reference = None
 
     @property
     def varied(self) -> bool:
