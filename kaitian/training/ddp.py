@@ -94,6 +94,8 @@ class StepTiming:
 
 def _count_samples(inputs: tuple, kwargs: dict) -> int:
     """Batch size of a forward call: dim 0 of the first tensor argument."""
+    if inputs and isinstance(inputs[0], torch.Tensor):  # the usual call: model(batch)
+        return int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 1
     stack: List[Any] = list(inputs) + list(kwargs.values())
     while stack:
         item = stack.pop(0)
@@ -150,6 +152,7 @@ class _StepState:
         self.samples = 0  # samples of forwards that received a gradient, this step
         self.micro = 0  # such forwards (micro-batches)
         self.counts = None  # (work, tensor) of the count exchange
+        self.table: Optional[list] = None  # every training rank's count row, once known
         self.totals: Optional[tuple] = None  # (global samples, correction), once read
         self.ref = 1.0  # common scale reference
         self.step = 0
@@ -213,6 +216,7 @@ class DistributedDataParallel(_TorchDDP):
         # Backends that average in their reduction pass; others get torch's divide-then-sum.
         self._kt_avg_op = dist.get_backend(self.process_group) in _AVERAGING_BACKENDS
         self.training_group = self.process_group  # the ranks that train (train_in)
+        self._kt_solo = False  # trains alone in a subgroup: see _kt_update_solo
         self._kt_step_listeners = Listeners(weak=False)  # the model keeps its helpers alive
         self._kt_before_step = Listeners(weak=False)
         self._kt_step_ends = Listeners(weak=False)
@@ -280,6 +284,7 @@ class DistributedDataParallel(_TorchDDP):
             if blocker is not None:
                 raise TrainingError(f"kaitian.DistributedDataParallel cannot train in a subgroup: {blocker}")
         self.training_group = group
+        self._kt_update_solo()
         self._kt_avg_op = dist.get_backend(group) in _AVERAGING_BACKENDS
         # A round the old group voted for is not the new one's: a rank called back has no vote pending.
         self._kt_state.round_requested = False
@@ -324,6 +329,7 @@ class DistributedDataParallel(_TorchDDP):
             raise RuntimeError("register_comm_hook can only be called once")
         self._check_comm_hook(hook)
         self._kt_user_hook = (state, hook)
+        self._kt_update_solo()
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         """A built-in C++ hook (e.g. ``BuiltinCommHookType.FP16_COMPRESS``): exact too.
@@ -334,6 +340,7 @@ class DistributedDataParallel(_TorchDDP):
         if self._kt_user_hook is not None or self._kt_builtin_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
         self._kt_builtin_hook = comm_hook_type
+        self._kt_update_solo()
 
     def join(self, *args: Any, **kwargs: Any):
         raise TrainingError(
@@ -354,11 +361,14 @@ class DistributedDataParallel(_TorchDDP):
 
     # -- forward -----------------------------------------------------------------
 
-    def _kt_alone(self) -> bool:
+    def _kt_update_solo(self) -> None:
         """Whether this rank trains alone in a subgroup (benched peers), with nothing torch's DDP
-        must still do: no hook of the user's, no inputs to move to a device."""
-        return (self.training_group is not self.process_group and self.training_group.size() == 1
-                and self._kt_user_hook is None and self._kt_builtin_hook is None and not self.device_ids)
+        must still do: no hook of the user's, no inputs to move to a device. Then a step has
+        nothing to exchange: torch's reducer is left out and the counts stay in Python (a step's
+        own bookkeeping is all that separates it from a plain local model)."""
+        self._kt_solo = (self.training_group is not self.process_group and self.training_group.size() == 1
+                         and self._kt_user_hook is None and self._kt_builtin_hook is None
+                         and not self.device_ids)
 
     def _kt_register_hook(self) -> None:
         self._kt_hook_registered = True
@@ -385,7 +395,7 @@ class DistributedDataParallel(_TorchDDP):
         record = _Forward(self._kt_count_samples(inputs, kwargs), sync, st.ref)
         # One rank trains (the others benched): nothing to exchange, so torch's reducer
         # is left out (its gradient hooks stay idle) and the weighting is applied at the end.
-        output = self.module(*inputs, **kwargs) if self._kt_alone() else super().forward(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs) if self._kt_solo else super().forward(*inputs, **kwargs)
         ddp_ref = weakref.ref(self)
         for tensor in _grad_tensors(output):
             tensor.register_hook(lambda grad, r=record: _on_output_grad(ddp_ref, r, grad))
@@ -402,21 +412,23 @@ class DistributedDataParallel(_TorchDDP):
             return
         tag = self._kt_check.next_tag(self._kt_sampler)
         vote = self._kt_vote() if self._kt_vote is not None and self.training_group.rank() == 0 else 0
-        # int64: exact on every vendor (CNCL would round float64 to float32)
-        st.counts = gather_per_rank([st.samples, st.micro, *tag, int(bool(vote))],
-                                    self.training_group, self.device, dtype=torch.int64, async_op=True)
+        row = [st.samples, st.micro, *tag, int(bool(vote))]
+        if self._kt_solo:
+            st.table = [row]
+        else:  # int64: exact on every vendor (CNCL would round float64 to float32)
+            st.counts = gather_per_rank(row, self.training_group, self.device, dtype=torch.int64, async_op=True)
         st.totals = None
         ddp_ref = weakref.ref(self)
 
-        def outer() -> None:  # runs before DDP's finaliser; queue one more to run after it
-            def inner() -> None:
-                ddp = ddp_ref()
-                if ddp is not None:
-                    ddp._kt_finish_step()
+        def finish() -> None:
+            ddp = ddp_ref()
+            if ddp is not None:
+                ddp._kt_finish_step()
 
-            queue_autograd_callback(inner)
-
-        queue_autograd_callback(outer)
+        if self._kt_solo:  # torch's reducer is idle: no finaliser to follow
+            queue_autograd_callback(finish)
+        else:  # queued before DDP's finaliser: this one queues the finish to run after it
+            queue_autograd_callback(lambda: queue_autograd_callback(finish))
 
     def _kt_totals(self, arrived: bool = False) -> tuple:
         """(global samples, correction factor) of this step, identical on every rank.
@@ -427,10 +439,12 @@ class DistributedDataParallel(_TorchDDP):
         """
         st = self._kt_state
         if st.totals is None:
-            work, tensor = st.counts
-            if work is not None and not arrived:
-                work.wait()
-            table = rows(tensor)
+            if st.table is None:
+                work, tensor = st.counts
+                if work is not None and not arrived:
+                    work.wait()
+                st.table = rows(tensor)
+            table = st.table
             check_steps([row[2:5] for row in table], self._kt_sampler)
             st.round_requested = any(row[5] > 0 for row in table)
             micro = {int(row[1]) for row in table}
@@ -450,10 +464,10 @@ class DistributedDataParallel(_TorchDDP):
         st = self._kt_state
         if st.error is not None:
             error, st.error = st.error, None
-            st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
+            st.samples, st.micro, st.counts, st.table, st.totals = 0, 0, None, None, None
             raise error
         total, correction = self._kt_totals()
-        if (self._kt_builtin_hook is not None or self._kt_alone()) and correction != 1.0:
+        if (self._kt_builtin_hook is not None or self._kt_solo) and correction != 1.0:
             with torch.no_grad():
                 for p in self.module.parameters():
                     if p.grad is not None:
@@ -478,7 +492,7 @@ class DistributedDataParallel(_TorchDDP):
         micro = max(1, st.micro)
         st.ref = total / (self.training_group.size() * micro)
         st.first_forward = None
-        st.samples, st.micro, st.counts, st.totals = 0, 0, None, None
+        st.samples, st.micro, st.counts, st.table, st.totals = 0, 0, None, None, None
         st.wait = st.wait_in_compute = 0.0
         self._kt_emit(ended)
         self._kt_step_ends(int(round(total)), micro)

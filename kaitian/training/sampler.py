@@ -227,7 +227,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         sizes = self._schedule.current if step < full else rest
         start = step * self.global_batch_size + sum(sizes[: self.rank])
         perm = self._permutation()
-        indices = [perm[i % len(perm)] for i in range(start, start + sizes[self.rank])]  # wraps round: padding
+        end = start + sizes[self.rank]
+        # past the end it wraps round: the last step's padding
+        indices = perm[start:end] if end <= len(perm) else [perm[i % len(perm)] for i in range(start, end)]
         self._epoch_step = step + 1
         if indices:  # a benched rank's empty draw is no batch
             self._unclaimed.append(HandedBatch(step, len(indices)))
