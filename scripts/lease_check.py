@@ -263,17 +263,22 @@ def main(argv=None) -> int:
                   "use --dry-run for the fake MLU", file=sys.stderr)
             return 2
     args.out = os.path.abspath(args.out or f"lease-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(args.out, exist_ok=True)
     lease = Lease(args)
     dry = args.dry_run
     bind = functools.partial
     parts = [("build", bind(part_build, lease), 150), ("device", bind(part_device, lease), 150 if dry else 240)]
     parts += [(name, bind(part_trainer, lease, name), 90) for name in TRAINERS]
-    parts += [(f"demo {h}", bind(part_demo, lease, h), 60 if dry else 90) for h in ((64,) if dry else (1024, 4096))]
+    parts += [(f"demo {h}", bind(part_demo, lease, h), 90) for h in ((64,) if dry else (1024, 4096))]
     parts += [("rejoin", bind(part_rejoin, lease), 90), ("copy", bind(part_copy, lease), 30)]
     parts += [(f"collectives {n}", bind(part_collectives, lease, n), 60 if dry else 120)
               for n in ((4,) if dry else (8, 16))]
     chosen = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(chosen) - {name.split()[0] for name, _, _ in parts})
+    if unknown:
+        print(f"lease_check: no part named {', '.join(unknown)} (parts: "
+              f"{', '.join(dict.fromkeys(name.split()[0] for name, _, _ in parts))})", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
     start = time.monotonic()
     print(f"lease_check: {'dry run on the fake MLU' if dry else 'GPU'}; logs in {args.out}", flush=True)
     for name, fn, deadline in parts:
