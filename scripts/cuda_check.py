@@ -88,6 +88,14 @@ FAIL_TIMEOUT = 3.0  # the failstop phase's group timeout, seconds
 CHECK_GRACE_S = 5.0  # past a check's deadline, how long the ranks wait for a late outcome
 
 
+def _say(text: str) -> None:
+    """A line on the ranks' shared stdout in one write: they run unbuffered, where print()
+    writes the text and its newline apart and another rank's line can land between them
+    (a write of up to 4 KiB to a pipe is never split)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _parse_size(text: str) -> int:
     text = text.strip().upper().rstrip("B").rstrip("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
@@ -246,7 +254,7 @@ class Rank:
     def _decide(self, name: str, ok: bool, detail: str, ranks, end: float) -> None:
         ranks = list(range(self.world)) if ranks is None else list(ranks)
         if not ok:
-            print(f"      rank {self.rank}: {self.phase_name}: {name}: {detail}"[:3000], flush=True)
+            _say(f"      rank {self.rank}: {self.phase_name}: {name}: {detail}"[:3000])
             if not detail.startswith("gave up"):
                 self.store.set(self._key("failed"), str(self.rank))  # the peers stop waiting for this rank
         self.store.set(self._key(self.rank), json.dumps({"ok": ok, "detail": detail[:500]}))
@@ -272,8 +280,8 @@ class Rank:
             self.failures += 1
             self.broken = True
         if self.rank == 0:
-            print(f"{'PASS' if verdict['ok'] else 'FAIL'}  {self.phase_name}: {name}"
-                  + (f"  ({'; '.join(verdict['causes'])})"[:600] if verdict["causes"] else ""), flush=True)
+            _say(f"{'PASS' if verdict['ok'] else 'FAIL'}  {self.phase_name}: {name}"
+                 + (f"  ({'; '.join(verdict['causes'])})"[:600] if verdict["causes"] else ""))
 
     def _absent(self, q: int) -> bool:
         """Whether rank ``q`` will post nothing more in this phase (it exited or stopped the phase)."""
@@ -292,14 +300,14 @@ class Rank:
         self.broken = any(self.store.check([k]) and self.store.get(k) == b"1" for k in keys)
         self.reconnect()
         if self.rank == 0:
-            print(f"== {name}", flush=True)
+            _say(f"== {name}")
         self.watchdog_s = max(PHASES[name], self.args.check_timeout + 2 * CHECK_GRACE_S)
         faulthandler.dump_traceback_later(self.watchdog_s, exit=True)  # the watchdog of code outside checks
         try:
             yield
         except Exception as e:  # the peers' next checks count this rank out
             detail = f"{type(e).__name__}: {e}"
-            print(f"      rank {self.rank}: {name} stopped: {detail}\n{traceback.format_exc(limit=6)}", flush=True)
+            _say(f"      rank {self.rank}: {name} stopped: {detail}\n{traceback.format_exc(limit=6)}"[:3000])
             self.store.set(f"stopped/{name}/{self.rank}", detail[:500])
             self.failures += 1
             self.broken = True
@@ -940,8 +948,8 @@ def phase_bandwidth(r: Rank) -> None:
 
     dev, world = r.device.torch, r.world
     if r.rank == 0:
-        print(f"{'op':<10}{'size':>10}{'kaitian ms':>12}{'busbw GB/s':>12}{'gloo ms':>10}{'busbw GB/s':>12}"
-              f"{'ratio':>8}", flush=True)
+        _say(f"{'op':<10}{'size':>10}{'kaitian ms':>12}{'busbw GB/s':>12}{'gloo ms':>10}{'busbw GB/s':>12}"
+             f"{'ratio':>8}")
     for op in ("allreduce", "broadcast"):
         for nbytes in r.args.sizes:
             t = torch.ones(nbytes // 4, device=dev)
@@ -972,9 +980,8 @@ def phase_bandwidth(r: Rank) -> None:
             factor = 2 * (world - 1) / world if op == "allreduce" else 1.0
             bw = {k: nbytes / v / 1e9 * factor for k, v in times.items()}
             if r.rank == 0:
-                print(f"{op:<10}{nbytes >> 20:>7} MiB{times['kaitian'] * 1e3:>12.2f}{bw['kaitian']:>12.2f}"
-                      f"{times['gloo'] * 1e3:>10.2f}{bw['gloo']:>12.2f}{bw['kaitian'] / bw['gloo']:>7.2f}x",
-                      flush=True)
+                _say(f"{op:<10}{nbytes >> 20:>7} MiB{times['kaitian'] * 1e3:>12.2f}{bw['kaitian']:>12.2f}"
+                     f"{times['gloo'] * 1e3:>10.2f}{bw['gloo']:>12.2f}{bw['kaitian'] / bw['gloo']:>7.2f}x")
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -52,3 +52,24 @@ def test_powersgd_reference_on_cpu_buckets_where_cuda_is_available(gloo_world, m
     with check.cpu_buckets_beside_cuda():
         _train_powersgd(check)
     assert torch.cuda.synchronize.__module__ == "torch.cuda", "the guard left its patch behind"
+
+
+class _Writes:
+    def __init__(self):
+        self.calls = []
+
+    def write(self, text):
+        self.calls.append(text)
+
+    def flush(self):
+        pass
+
+
+def test_a_ranks_line_is_one_write(monkeypatch):
+    """The ranks share one unbuffered stdout, where print() writes a line's text and its
+    newline apart: CI saw rank 2's 'harness stopped' land inside rank 0's PASS line."""
+    check = _cuda_check()
+    out = _Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    check._say("PASS  harness: collectives on every group after them")
+    assert out.calls == ["PASS  harness: collectives on every group after them\n"]
