@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--features", type=int, default=256,
                    help="input width of the MLP (64: the shape of examples/train_digits.py)")
     p.add_argument("--cycles", type=int, default=8,
-                   help="cycles of the five phases (the second half is the steady state; "
-                   "a multiple of 4 gives each mode each position equally often)")
+                   help="cycles of the phases (the second half is the steady state; a multiple of 6 "
+                   "gives each part each position, and alone and re-balancing the lead, equally often)")
     p.add_argument("--steps", type=int, default=4, help="steps per phase (one epoch)")
     p.add_argument("--pairs", type=int, default=4,
                    help="epochs of the fastest group alone and of re-balancing per cycle, alternating "
