@@ -229,6 +229,7 @@ class Rebalancer:
         self._known = [StepCost(0.0, 0.0)] * self.world  # every rank's cost as of the last round it took part in
         self._known_caps: List[Optional[int]] = [None] * self.world
         self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
+        self._snapshot: Optional[tuple] = None  # (tensors, works) of the last state sent
         self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
         model.use_sampler(self.sampler)
         self._device = model.device
@@ -605,15 +606,30 @@ class Rebalancer:
                 work.wait()
         self._sending = []
 
-    def _send(self, tensors: List[torch.Tensor], ranks: List[int]) -> None:
+    def _send(self, tensors: List[torch.Tensor], ranks: List[int]) -> list:
         """Sends ``tensors`` to each of ``ranks`` without waiting (one message); they are kept until
-        they arrive. The store counts the messages sent to each rank: its wait may outlast any op."""
+        they arrive. The store counts the messages sent to each rank: its wait may outlast any op.
+        Returns the sends' works."""
         self._sending = [(works, kept) for works, kept in self._sending if not all(w.is_completed() for w in works)]
         works = [dist.isend(t, r, group=self.world_group) for r in ranks for t in tensors]
         self._sending.append((works, tensors))
         store = _te.default_store()
         for r in ranks:
             store.add(_message_key(r), 1)
+        return works
+
+    def _copies(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Copies of ``tensors`` for a snapshot: into the last snapshot's when that one has arrived
+        and has their shapes (a copy into memory in use: no allocation, no page faults, on the step
+        that ends the epoch), else new ones."""
+        if self._snapshot is not None:
+            last, works = self._snapshot
+            if all(w.is_completed() for w in works) and [(t.shape, t.dtype, t.device) for t in last] == [
+                    (t.shape, t.dtype, t.device) for t in tensors]:
+                for copy, t in zip(last, tensors):
+                    copy.copy_(t)
+                return last
+        return [t.detach().clone() for t in tensors]
 
     def _await_message(self) -> None:
         """A benched rank's wait for its next message, however long (see :meth:`_send`)."""
@@ -639,9 +655,10 @@ class Rebalancer:
         leaves: List[torch.Tensor] = []
         blob = pickle.dumps(_skeleton([obj.state_dict() for obj in [self.optimizer, *self.state]], leaves))
         with torch.no_grad():  # a snapshot: the next steps change the originals
-            tensors = [t.detach().clone() for t in [*model.module.parameters(), *model.module.buffers(), *leaves]]
-        self._send([torch.tensor([len(blob)], dtype=torch.int64),
-                    torch.frombuffer(bytearray(blob), dtype=torch.uint8), *tensors], spares)
+            tensors = self._copies([*model.module.parameters(), *model.module.buffers(), *leaves])
+        works = self._send([torch.tensor([len(blob)], dtype=torch.int64),
+                            torch.frombuffer(bytearray(blob), dtype=torch.uint8), *tensors], spares)
+        self._snapshot = (tensors, works)
 
     def _receive_state(self, source: int) -> None:
         """A benched rank takes the state the first training rank sends (see :meth:`_send_state`)."""
