@@ -216,7 +216,6 @@ class DistributedDataParallel(_TorchDDP):
         # Backends that average in their reduction pass; others get torch's divide-then-sum.
         self._kt_avg_op = dist.get_backend(self.process_group) in _AVERAGING_BACKENDS
         self.training_group = self.process_group  # the ranks that train (train_in)
-        self._kt_solo = False  # trains alone in a subgroup: see _kt_update_solo
         self._kt_step_listeners = Listeners(weak=False)  # the model keeps its helpers alive
         self._kt_before_step = Listeners(weak=False)
         self._kt_step_ends = Listeners(weak=False)
@@ -226,6 +225,7 @@ class DistributedDataParallel(_TorchDDP):
         self._kt_sampler: Optional[DistributedSampler] = None
         if sampler is not None:
             self.use_sampler(sampler)
+        self._kt_update_solo()
 
     # -- public ------------------------------------------------------------------
 
@@ -362,13 +362,12 @@ class DistributedDataParallel(_TorchDDP):
     # -- forward -----------------------------------------------------------------
 
     def _kt_update_solo(self) -> None:
-        """Whether this rank trains alone in a subgroup (benched peers), with nothing torch's DDP
-        must still do: no hook of the user's, no inputs to move to a device. Then a step has
-        nothing to exchange: torch's reducer is left out and the counts stay in Python (a step's
+        """Whether this rank trains alone (a world of one, or its peers benched), with nothing
+        torch's DDP must still do: no hook of the user's, no inputs to move to a device. Then a step
+        has nothing to exchange: torch's reducer is left out and the counts stay in Python (a step's
         own bookkeeping is all that separates it from a plain local model)."""
-        self._kt_solo = (self.training_group is not self.process_group and self.training_group.size() == 1
-                         and self._kt_user_hook is None and self._kt_builtin_hook is None
-                         and not self.device_ids)
+        self._kt_solo = (self.training_group.size() == 1 and self._kt_user_hook is None
+                         and self._kt_builtin_hook is None and not self.device_ids)
 
     def _kt_register_hook(self) -> None:
         self._kt_hook_registered = True

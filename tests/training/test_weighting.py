@@ -55,6 +55,25 @@ def test_torch_ddp_alone_is_off(results, case):
     assert all(rank[(case, "plain")]["worst"] > 1e-3 for rank in results)
 
 
+def test_a_world_of_one_skips_the_exchange_and_stays_exact(tmp_path):
+    """One rank: kaitian's DDP leaves torch's reducer out (nothing to exchange) unless a hook must
+    run, and its gradients stay the window's mean (micro-batches of different sizes, token counts,
+    a forward with no backward)."""
+    cases = ["unequal", "no_sync", "tokens", "eval_forward", "builtin_hook"]
+    run = run_ranks(Layout("1"), [worker("weighting_cases"), "--cases", ",".join(cases)], timeout=120)
+    try:
+        assert run.returncodes == [0] and not run.timed_out, tail(run.logs[0])
+        with open(run.outs[0]) as f:
+            got = {(r["case"], r["mode"]): r for r in map(json.loads, f)}
+    finally:
+        cleanup(run)
+    for case in cases:
+        for mode in ("kaitian", "torch"):
+            assert got[(case, mode)]["worst"] < 1e-9, (case, mode, got[(case, mode)])
+        assert got[(case, "kaitian")]["alone"] is (case != "builtin_hook"), got[(case, "kaitian")]
+    assert got[("no_sync", "plain")]["worst"] > 1e-3  # unequal micro-batches: the control is off
+
+
 def test_join(results):
     """kaitian's DDP refuses join() clearly; torch's join with scale_loss(total=) stays exact."""
     for rank in results:
