@@ -164,6 +164,10 @@ class _StepState:
         self.first_forward: Optional[float] = None
         self.timings: Deque[StepTiming] = deque(maxlen=history)
 
+    def clear_counts(self) -> None:
+        """Forgets the ended step's counts and their exchange."""
+        self.samples, self.micro, self.counts, self.table, self.totals = 0, 0, None, None, None
+
 
 class DistributedDataParallel(_TorchDDP):
     """Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments).
@@ -392,7 +396,7 @@ class DistributedDataParallel(_TorchDDP):
             st.first_forward = time.perf_counter()
             self._kt_clock.mark("start")
         record = _Forward(self._kt_count_samples(inputs, kwargs), sync, st.ref)
-        # One rank trains (the others benched): nothing to exchange, so torch's reducer
+        # One rank trains (a world of one, or the others benched): nothing to exchange, so torch's reducer
         # is left out (its gradient hooks stay idle) and the weighting is applied at the end.
         output = self.module(*inputs, **kwargs) if self._kt_solo else super().forward(*inputs, **kwargs)
         ddp_ref = weakref.ref(self)
@@ -463,7 +467,7 @@ class DistributedDataParallel(_TorchDDP):
         st = self._kt_state
         if st.error is not None:
             error, st.error = st.error, None
-            st.samples, st.micro, st.counts, st.table, st.totals = 0, 0, None, None, None
+            st.clear_counts()
             raise error
         total, correction = self._kt_totals()
         if (self._kt_builtin_hook is not None or self._kt_solo) and correction != 1.0:
@@ -491,7 +495,7 @@ class DistributedDataParallel(_TorchDDP):
         micro = max(1, st.micro)
         st.ref = total / (self.training_group.size() * micro)
         st.first_forward = None
-        st.samples, st.micro, st.counts, st.table, st.totals = 0, 0, None, None, None
+        st.clear_counts()
         st.wait = st.wait_in_compute = 0.0
         self._kt_emit(ended)
         self._kt_step_ends(int(round(total)), micro)
