@@ -44,10 +44,11 @@ def _home(tmp_path):
     return tmp_path
 
 
-def _env():
+def _env(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAITIAN_", "PET_", "TORCHELASTIC_"))}
     env.pop("PYTHONPATH", None)  # the install alone, as for a user
     env["OMP_NUM_THREADS"] = "1"
+    env["TMPDIR"] = str(tmp_path)  # torchrun's agent leaves its log folder in the temp dir
     return env
 
 
@@ -56,7 +57,7 @@ def test_a_script_beside_the_clone_trains_under_kaitianrun_and_torchrun(tmp_path
     bin_dir = os.path.dirname(sys.executable)
     for cmd in ([os.path.join(bin_dir, "kaitianrun"), "--nproc-per-node", "2", "--cpu-groups", "2", "train.py"],
                 [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc-per-node", "2", "train.py"]):
-        proc = subprocess.run(cmd, cwd=home, env=_env(), capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(cmd, cwd=home, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{cmd[0]}:\n{out[-3000:]}"
         for rank in (0, 1):
