@@ -413,12 +413,13 @@ class DistributedDataParallel(_TorchDDP):
         st.micro += 1
         if not record.sync:
             return
-        tag = self._kt_check.next_tag(self._kt_sampler)
-        vote = self._kt_vote() if self._kt_vote is not None and self.training_group.rank() == 0 else 0
-        row = [st.samples, st.micro, *tag, int(bool(vote))]
-        if self._kt_solo:
-            st.table = [row]
-        else:  # int64: exact on every vendor (CNCL would round float64 to float32)
+        if self._kt_solo:  # no peer to compare its step with, nor a round to vote for
+            st.table = [[st.samples, st.micro]]
+        else:
+            tag = self._kt_check.next_tag(self._kt_sampler)
+            vote = self._kt_vote() if self._kt_vote is not None and self.training_group.rank() == 0 else 0
+            row = [st.samples, st.micro, *tag, int(bool(vote))]
+            # int64: exact on every vendor (CNCL would round float64 to float32)
             st.counts = gather_per_rank(row, self.training_group, self.device, dtype=torch.int64, async_op=True)
         st.totals = None
         ddp_ref = weakref.ref(self)
@@ -448,8 +449,9 @@ class DistributedDataParallel(_TorchDDP):
                     work.wait()
                 st.table = rows(tensor)
             table = st.table
-            check_steps([row[2:5] for row in table], self._kt_sampler)
-            st.round_requested = any(row[5] > 0 for row in table)
+            if not self._kt_solo:
+                check_steps([row[2:5] for row in table], self._kt_sampler)
+                st.round_requested = any(row[5] > 0 for row in table)
             micro = {int(row[1]) for row in table}
             if len(micro) > 1:
                 raise TrainingError(
