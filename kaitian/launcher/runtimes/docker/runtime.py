@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from kaitian._torch import PContext
 from kaitian.devices.device import ContainerDevices
-from kaitian.errors import ContainerLookupError, DockerOptionError, DockerRuntimeError, DockerUnavailableError
-from kaitian.errors import ImageNotFoundError
+from kaitian.docker_client import connect
+from kaitian.errors import ContainerLookupError, DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.rundir import process_start_time, record_pid_namespace
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
@@ -31,43 +31,9 @@ from kaitian.launcher.runtimes.docker.start import (
     ImageInfo, LogFiles, as_binary, choose_user, docker_start, group_devices, groups_of, image_for,
 )
 
-__all__ = ["DockerRuntime", "connect", "list_containers", "remove_container"]
+__all__ = ["DockerRuntime", "list_containers", "remove_container"]
 
 logger = logging.getLogger(__name__)
-
-_env_client: object = None
-
-
-def connect(client: object = None) -> object:
-    """A docker SDK client that answered a ping: ``client`` (tests), else the environment's (``DOCKER_HOST``),
-    made once: the agent, its stale collection and its runtime share it."""
-    global _env_client
-    if client is None and _env_client is not None:
-        return _env_client
-    try:
-        import docker
-        import docker.errors
-    except ImportError:
-        raise DockerUnavailableError("the docker runtime needs the docker SDK: pip install 'docker>=7'") from None
-    import requests.exceptions
-
-    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-    try:
-        pinged = docker.DockerClient.from_env(max_pool_size=64) if client is None else client
-        pinged.ping()
-    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
-        if any(isinstance(e, PermissionError) for e in (exc, exc.__context__)) or "Permission denied" in str(exc):
-            raise DockerUnavailableError(
-                f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
-                "(sudo usermod -aG docker $USER, then log in again) or run as root"
-            ) from None
-        raise DockerUnavailableError(
-            f"cannot reach the Docker daemon at {where}: start it "
-            "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
-        ) from None
-    if client is None:
-        _env_client = pinged
-    return pinged
 
 
 def _not_found(exc: BaseException) -> bool:
