@@ -21,14 +21,14 @@ from kaitian.devices.device import ContainerDevices
 from kaitian.docker_client import connect
 from kaitian.errors import ContainerLookupError, DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.rundir import process_start_time, record_pid_namespace
+from kaitian.launcher.rundir import process_alive, process_start_time, record_pid_namespace
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, parse_volume
 from kaitian.launcher.runtimes.docker.start import (
-    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_GROUP, LABEL_HOST_MOUNTS, LABEL_KEEP, LABEL_MANAGED,
-    LABEL_PYTHON, LABEL_RUN_ID, LABEL_SPEC, AgentIdentity, ContainerSpec, DockerHost, DockerStart, ExecSpec,
-    ImageInfo, LogFiles, as_binary, choose_user, docker_start, group_devices, groups_of, image_for,
+    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_HOST_MOUNTS, LABEL_KEEP, LABEL_MANAGED, LABEL_PYTHON,
+    LABEL_SPEC, AgentIdentity, ContainerSpec, DockerHost, DockerStart, ExecSpec, ImageInfo, LogFiles, as_binary,
+    choose_user, docker_start, group_devices, groups_of, image_for,
 )
 
 __all__ = ["DockerRuntime", "list_containers", "remove_container"]
@@ -93,10 +93,9 @@ def agent_identity() -> AgentIdentity:
 
 def owner_alive(labels: Mapping[str, str]) -> bool:
     try:
-        start = process_start_time(int(labels.get(LABEL_AGENT_PID, "")))
-    except ValueError:
+        return process_alive(int(labels[LABEL_AGENT_PID]), float(labels[LABEL_AGENT_START]))
+    except (KeyError, ValueError):
         return False
-    return start is not None and f"{start:.0f}" == labels.get(LABEL_AGENT_START)
 
 
 class DockerRuntime(Runtime):
@@ -231,11 +230,7 @@ class DockerRuntime(Runtime):
     def _ensure(self, spec: ContainerSpec) -> str:
         import docker.errors
 
-        client, labels = self.client, spec.labels
-        if self.options.keep_containers:
-            key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)}
-        else:
-            key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)}
+        client, key = self.client, spec.lookup_labels
         found = list_containers(client, key)
         if len(found) > 1:
             raise ContainerLookupError(

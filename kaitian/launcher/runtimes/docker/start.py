@@ -139,6 +139,15 @@ class ContainerSpec:
         }
 
     @property
+    def lookup_labels(self) -> Dict[str, str]:
+        """The labels that find this container again: a kept one by its shape, a run's by its run and agent."""
+        if self.tied:
+            keys = (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)
+        else:
+            keys = (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)
+        return {k: self.labels[k] for k in keys}
+
+    @property
     def name(self) -> str:
         """A kept container serves any later run of the same shape: it names the shape."""
         if self.tied:
