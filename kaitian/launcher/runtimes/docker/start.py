@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from kaitian import _torch as _te
 from kaitian.devices.device import ContainerDevices
 from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
@@ -72,8 +73,6 @@ HOST_ONLY_ENV = frozenset({
 })
 CPU_PERIOD_US = 100_000
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
-# torchrun's --run-path runs the script with runpy in the worker: here in the image's python
-_RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
 @dataclass(frozen=True)
@@ -324,8 +323,8 @@ def as_binary(entrypoint: object, args: Mapping[int, Tuple]) -> Tuple[str, Dict[
     """A program and its arguments (torchrun's ``--run-path`` function: ``python -c``)."""
     if isinstance(entrypoint, str):
         return entrypoint, dict(args)
-    if getattr(entrypoint, "__name__", "") == "run_script_path":
-        return sys.executable, {r: ("-u", "-c", _RUN_PATH_CODE, *a) for r, a in args.items()}
+    if _te.is_run_script_path(entrypoint):  # in the image's python
+        return sys.executable, {r: ("-u", "-c", _te.RUN_SCRIPT_PATH_CODE, *a) for r, a in args.items()}
     raise DockerOptionError(
         "the docker runtime starts programs (python scripts, --no-python binaries), not Python functions"
     )
