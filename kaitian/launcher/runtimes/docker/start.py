@@ -144,7 +144,8 @@ class ContainerSpec:
             keys = (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)
         else:
             keys = (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)
-        return {k: self.labels[k] for k in keys}
+        labels = self.labels
+        return {k: labels[k] for k in keys}
 
     @property
     def name(self) -> str:
