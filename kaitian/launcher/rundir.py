@@ -182,14 +182,9 @@ def record_pid_namespace(run_dir: str, pid_ns: int) -> None:
 
 def _live_pid_namespaces() -> set:
     """The pid namespaces (inodes) of the processes this host lets us see."""
-    live = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                live.add(os.stat(f"/proc/{entry}/ns/pid").st_ino)
-            except OSError:
-                pass
-    return live
+    from kaitian.backend.shm_gc import pid_namespace
+
+    return {pid_namespace(entry) for entry in os.listdir("/proc") if entry.isdigit()} - {0}
 
 
 def _collect_namespaces(path: str) -> None:

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from kaitian._torch import PContext
+from kaitian.backend.shm_gc import collect_namespace_segments, pid_namespace
 from kaitian.devices.device import ContainerDevices
 from kaitian.docker_client import connect
 from kaitian.errors import ContainerLookupError, DockerOptionError, DockerRuntimeError, ImageNotFoundError
@@ -40,19 +41,17 @@ def _not_found(exc: BaseException) -> bool:
     return type(exc).__name__ == "NotFound"
 
 
-def _pid_namespace(container: object) -> Optional[int]:
+def _pid_namespace(container: object) -> int:
     try:
         container.reload()  # listed containers carry only a summary
         pid = int(container.attrs["State"]["Pid"] or 0)
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino if pid > 0 else None
     except Exception:  # noqa: BLE001 (gone already, another host, no permission: nothing to clean)
-        return None
+        return 0
+    return pid_namespace(pid) if pid > 0 else 0
 
 
 def remove_container(container: object) -> None:
     """Removes a container and the kaitian shared memory its pid namespace left."""
-    from kaitian.backend.shm_gc import collect_namespace_segments
-
     pid_ns = _pid_namespace(container)
     try:
         container.remove(force=True)
