@@ -250,10 +250,9 @@ class DockerStart:
         names = {c.group: c.name for c in self.containers}
         lines.append("execs:")
         for ex in (self.execs[key] for key in sorted(self.execs)):
-            fields = {"container": names[ex.group], **vars(ex)}
+            shown = {k: v for k, v in vars(ex).items() if k not in ("local_rank", "group", "env")}
             env = {k: ex.env[k] for k in sorted(ex.env) if inherited.get(k) != ex.env[k]}
-            lines += [f"- local_rank: {fields.pop('local_rank')}",
-                      *_yaml({k: v for k, v in fields.items() if k not in ("group", "env")}),
+            lines += [f"- local_rank: {ex.local_rank}", *_yaml({"container": names[ex.group], **shown}),
                       "  env:  # besides the agent's own", *_yaml(env, "    ")]
         if self.hand_over:
             lines.append(f"hand_over: {json.dumps(list(self.hand_over))}")
