@@ -30,6 +30,15 @@ def _no_thread_name(name: str) -> None:
 
 set_thread_name = getattr(_mp, "_set_thread_name", _no_thread_name)
 
+# torchrun --run-path's entrypoint, run_script_path, runs the script with runpy in the worker's python;
+# a runtime that starts programs runs the same as ``python -c RUN_SCRIPT_PATH_CODE SCRIPT ARGS``.
+RUN_SCRIPT_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def is_run_script_path(entrypoint) -> bool:
+    return getattr(entrypoint, "__name__", "") == "run_script_path"
+
+
 # Every torchelastic name is resolved on first use (module __getattr__ below):
 # `import kaitian` (every worker) stays free of the agent's modules, and under
 # plain torchrun this module is imported by the torchrun.handlers entry point
@@ -362,6 +371,7 @@ __all__ = [
     "RendezvousStoreInfo",
     "RunProcsResult",
     "RunResult",
+    "RUN_SCRIPT_PATH_CODE",
     "SUPPORTED_TORCH",
     "SignalException",
     "Std",
@@ -373,6 +383,7 @@ __all__ = [
     "create_dynamic_handler",
     "events",
     "get_rendezvous_handler",
+    "is_run_script_path",
     "metrics",
     "record",
     "rendezvous_backend_names",

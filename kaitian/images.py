@@ -196,7 +196,7 @@ def build(
         ImageBuildError: the build failed (message carries docker's error).
         DockerUnavailableError: the daemon cannot be reached.
     """
-    from kaitian.launcher.runtimes.docker.runtime import connect
+    from kaitian.docker_client import connect
 
     if target not in TARGETS:
         raise ImageBuildError(f"unknown image {target!r}; choose from: {', '.join(TARGETS)}")

@@ -31,10 +31,10 @@ _FOREIGN_MAX_AGE_S = 600.0
 _DEFAULT_GROUP_TIMEOUT_S = 1800.0
 
 
-def pid_namespace() -> int:
-    """The inode of this process's pid namespace (0 if unknown)."""
+def pid_namespace(pid: object = "self") -> int:
+    """The inode of a process's pid namespace, this process's by default (0 if unknown)."""
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
     except OSError:
         return 0
 

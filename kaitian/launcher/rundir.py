@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 from kaitian.errors import RunDirError
 
-__all__ = ["RunDir", "base_dir", "collect_stale", "process_start_time", "record_pid_namespace"]
+__all__ = ["RunDir", "base_dir", "collect_stale", "process_alive", "process_start_time", "record_pid_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ def process_start_time(pid: int) -> Optional[float]:
         return None
 
 
-def _alive(pid: int, start_time: Optional[float]) -> bool:
+def process_alive(pid: int, start_time: Optional[float]) -> bool:
+    """Whether ``pid`` runs and, given its start time, is still that process (a recycled pid is not it)."""
     now = process_start_time(pid)
     return now is not None and (start_time is None or now == start_time)
 
@@ -181,14 +182,9 @@ def record_pid_namespace(run_dir: str, pid_ns: int) -> None:
 
 def _live_pid_namespaces() -> set:
     """The pid namespaces (inodes) of the processes this host lets us see."""
-    live = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                live.add(os.stat(f"/proc/{entry}/ns/pid").st_ino)
-            except OSError:
-                pass
-    return live
+    from kaitian.backend.shm_gc import pid_namespace
+
+    return {pid_namespace(entry) for entry in os.listdir("/proc") if entry.isdigit()} - {0}
 
 
 def _collect_namespaces(path: str) -> None:
@@ -227,7 +223,7 @@ def collect_stale() -> List[str]:
                 agent = json.load(f)
         except (OSError, ValueError):
             continue  # not ours, or still being created
-        if _alive(int(agent["pid"]), agent.get("start_time")):
+        if process_alive(int(agent["pid"]), agent.get("start_time")):
             continue
         try:
             with open(os.path.join(path, _WORKERS_FILE)) as f:
@@ -235,7 +231,7 @@ def collect_stale() -> List[str]:
         except (OSError, ValueError):
             workers = []
         for pid, start in workers:
-            if _alive(int(pid), start):
+            if process_alive(int(pid), start):
                 logger.warning("killing worker %s left running by a killed kaitianrun agent", pid)
                 try:
                     os.killpg(int(pid), signal.SIGKILL)

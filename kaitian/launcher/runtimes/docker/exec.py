@@ -14,14 +14,12 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import IO, Callable, Dict, Iterable, List, Optional, Tuple
 
 from kaitian._torch import PContext, ProcessFailure, RunProcsResult, call_supported
+from kaitian.launcher.runtimes.base import WorkerStart
 from kaitian.launcher.runtimes.docker.start import ExecSpec
-
-if TYPE_CHECKING:
-    from kaitian.launcher.runtimes.base import WorkerStart
-    from kaitian.launcher.runtimes.options import RuntimeOptions
+from kaitian.launcher.runtimes.options import RuntimeOptions
 
 __all__ = ["DockerExecContext", "exit_code_from_docker", "stop_command"]
 
@@ -161,8 +159,8 @@ class DockerExecContext(PContext):
     """``prepare`` (the runtime's) is called at the start, once torch has decided the log and error files
     the containers must show, and returns each process's exec and container id."""
 
-    def __init__(self, job: "WorkerStart", prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecSpec, str]]],
-                 client: object, options: "RuntimeOptions") -> None:
+    def __init__(self, job: WorkerStart, prepare: Callable[["DockerExecContext"], Dict[int, Tuple[ExecSpec, str]]],
+                 client: object, options: RuntimeOptions) -> None:
         call_supported(
             super().__init__, job.name, job.entrypoint, job.args, job.envs, job.logs_specs,
             job.log_line_prefixes, duplicate_stdout_filters=options.duplicate_stdout_filters,

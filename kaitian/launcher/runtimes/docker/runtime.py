@@ -17,76 +17,41 @@ from dataclasses import replace
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from kaitian._torch import PContext
+from kaitian.backend.shm_gc import collect_namespace_segments, pid_namespace
 from kaitian.devices.device import ContainerDevices
-from kaitian.errors import ContainerLookupError, DockerOptionError, DockerRuntimeError, DockerUnavailableError
-from kaitian.errors import ImageNotFoundError
+from kaitian.docker_client import connect
+from kaitian.errors import ContainerLookupError, DockerOptionError, DockerRuntimeError, ImageNotFoundError
 from kaitian.launcher.workers import LocalWorker
-from kaitian.launcher.rundir import process_start_time, record_pid_namespace
+from kaitian.launcher.rundir import process_alive, process_start_time, record_pid_namespace
 from kaitian.launcher.runtimes.base import RunContext, Runtime, WorkerStart
 from kaitian.launcher.runtimes.docker.exec import DockerExecContext
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, parse_volume
 from kaitian.launcher.runtimes.docker.start import (
-    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_GROUP, LABEL_HOST_MOUNTS, LABEL_KEEP, LABEL_MANAGED,
-    LABEL_PYTHON, LABEL_RUN_ID, LABEL_SPEC, AgentIdentity, ContainerSpec, DockerHost, DockerStart, ExecSpec,
-    ImageInfo, LogFiles, as_binary, choose_user, docker_start, group_devices, groups_of, image_for,
+    LABEL_AGENT_HOST, LABEL_AGENT_PID, LABEL_AGENT_START, LABEL_HOST_MOUNTS, LABEL_KEEP, LABEL_MANAGED, LABEL_PYTHON,
+    LABEL_SPEC, AgentIdentity, ContainerSpec, DockerHost, DockerStart, ExecSpec, ImageInfo, LogFiles, as_binary,
+    choose_user, docker_start, group_devices, groups_of, image_for,
 )
 
-__all__ = ["DockerRuntime", "connect", "list_containers", "remove_container"]
+__all__ = ["DockerRuntime", "list_containers", "remove_container"]
 
 logger = logging.getLogger(__name__)
-
-_env_client: object = None
-
-
-def connect(client: object = None) -> object:
-    """A docker SDK client that answered a ping: ``client`` (tests), else the environment's (``DOCKER_HOST``),
-    made once: the agent, its stale collection and its runtime share it."""
-    global _env_client
-    if client is None and _env_client is not None:
-        return _env_client
-    try:
-        import docker
-        import docker.errors
-    except ImportError:
-        raise DockerUnavailableError("the docker runtime needs the docker SDK: pip install 'docker>=7'") from None
-    import requests.exceptions
-
-    where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-    try:
-        pinged = docker.DockerClient.from_env(max_pool_size=64) if client is None else client
-        pinged.ping()
-    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
-        if any(isinstance(e, PermissionError) for e in (exc, exc.__context__)) or "Permission denied" in str(exc):
-            raise DockerUnavailableError(
-                f"no permission on the Docker socket ({where}): add your user to the 'docker' group "
-                "(sudo usermod -aG docker $USER, then log in again) or run as root"
-            ) from None
-        raise DockerUnavailableError(
-            f"cannot reach the Docker daemon at {where}: start it "
-            "(sudo systemctl start docker, or bash scripts/docker-engine.sh) and retry"
-        ) from None
-    if client is None:
-        _env_client = pinged
-    return pinged
 
 
 def _not_found(exc: BaseException) -> bool:
     return type(exc).__name__ == "NotFound"
 
 
-def _pid_namespace(container: object) -> Optional[int]:
+def _pid_namespace(container: object) -> int:
     try:
         container.reload()  # listed containers carry only a summary
         pid = int(container.attrs["State"]["Pid"] or 0)
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino if pid > 0 else None
     except Exception:  # noqa: BLE001 (gone already, another host, no permission: nothing to clean)
-        return None
+        return 0
+    return pid_namespace(pid) if pid > 0 else 0
 
 
 def remove_container(container: object) -> None:
     """Removes a container and the kaitian shared memory its pid namespace left."""
-    from kaitian.backend.shm_gc import collect_namespace_segments
-
     pid_ns = _pid_namespace(container)
     try:
         container.remove(force=True)
@@ -127,10 +92,9 @@ def agent_identity() -> AgentIdentity:
 
 def owner_alive(labels: Mapping[str, str]) -> bool:
     try:
-        start = process_start_time(int(labels.get(LABEL_AGENT_PID, "")))
-    except ValueError:
+        return process_alive(int(labels[LABEL_AGENT_PID]), float(labels[LABEL_AGENT_START]))
+    except (KeyError, ValueError):
         return False
-    return start is not None and f"{start:.0f}" == labels.get(LABEL_AGENT_START)
 
 
 class DockerRuntime(Runtime):
@@ -265,11 +229,7 @@ class DockerRuntime(Runtime):
     def _ensure(self, spec: ContainerSpec) -> str:
         import docker.errors
 
-        client, labels = self.client, spec.labels
-        if self.options.keep_containers:
-            key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)}
-        else:
-            key = {k: labels[k] for k in (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)}
+        client, key = self.client, spec.lookup_labels
         found = list_containers(client, key)
         if len(found) > 1:
             raise ContainerLookupError(

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from kaitian import _torch as _te
 from kaitian.devices.device import ContainerDevices
 from kaitian.devices.inventory import format_cpulist
 from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
@@ -72,8 +73,6 @@ HOST_ONLY_ENV = frozenset({
 })
 CPU_PERIOD_US = 100_000
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
-# torchrun's --run-path runs the script with runpy in the worker: here in the image's python
-_RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
 @dataclass(frozen=True)
@@ -137,6 +136,16 @@ class ContainerSpec:
             LABEL_AGENT_HOST: self.agent.host, LABEL_AGENT_PID: str(self.agent.pid),
             LABEL_AGENT_START: self.agent.start, LABEL_KEEP: "0" if self.tied else "1", LABEL_SPEC: self.digest,
         }
+
+    @property
+    def lookup_labels(self) -> Dict[str, str]:
+        """The labels that find this container again: a kept one by its shape, a run's by its run and agent."""
+        if self.tied:
+            keys = (LABEL_MANAGED, LABEL_RUN_ID, LABEL_GROUP, LABEL_AGENT_HOST, LABEL_AGENT_PID)
+        else:
+            keys = (LABEL_MANAGED, LABEL_KEEP, LABEL_GROUP, LABEL_SPEC, LABEL_AGENT_HOST)
+        labels = self.labels
+        return {k: labels[k] for k in keys}
 
     @property
     def name(self) -> str:
@@ -241,10 +250,9 @@ class DockerStart:
         names = {c.group: c.name for c in self.containers}
         lines.append("execs:")
         for ex in (self.execs[key] for key in sorted(self.execs)):
-            fields = {"container": names[ex.group], **vars(ex)}
+            shown = {k: v for k, v in vars(ex).items() if k not in ("local_rank", "group", "env")}
             env = {k: ex.env[k] for k in sorted(ex.env) if inherited.get(k) != ex.env[k]}
-            lines += [f"- local_rank: {fields.pop('local_rank')}",
-                      *_yaml({k: v for k, v in fields.items() if k not in ("group", "env")}),
+            lines += [f"- local_rank: {ex.local_rank}", *_yaml({"container": names[ex.group], **shown}),
                       "  env:  # besides the agent's own", *_yaml(env, "    ")]
         if self.hand_over:
             lines.append(f"hand_over: {json.dumps(list(self.hand_over))}")
@@ -315,8 +323,8 @@ def as_binary(entrypoint: object, args: Mapping[int, Tuple]) -> Tuple[str, Dict[
     """A program and its arguments (torchrun's ``--run-path`` function: ``python -c``)."""
     if isinstance(entrypoint, str):
         return entrypoint, dict(args)
-    if getattr(entrypoint, "__name__", "") == "run_script_path":
-        return sys.executable, {r: ("-u", "-c", _RUN_PATH_CODE, *a) for r, a in args.items()}
+    if _te.is_run_script_path(entrypoint):  # in the image's python
+        return sys.executable, {r: ("-u", "-c", _te.RUN_SCRIPT_PATH_CODE, *a) for r, a in args.items()}
     raise DockerOptionError(
         "the docker runtime starts programs (python scripts, --no-python binaries), not Python functions"
     )
