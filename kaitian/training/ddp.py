@@ -227,6 +227,8 @@ class DistributedDataParallel(_TorchDDP):
         self._kt_clock = StepClock(self.device)
         self._kt_recorder = recorder_for_this_rank()
         self._kt_sampler: Optional[DistributedSampler] = None
+        self._kt_remember_inputs = False
+        self._kt_last_inputs: Optional[tuple] = None  # (args, kwargs) of the last training forward
         if sampler is not None:
             self.use_sampler(sampler)
         self._kt_update_solo()
@@ -296,6 +298,16 @@ class DistributedDataParallel(_TorchDDP):
         # the bench hold the one of their last step.
         batch = self._kt_sampler.global_batch_size if self._kt_sampler is not None else group.size()
         self._kt_state.ref = batch / group.size()
+
+    def remember_inputs(self) -> None:
+        """From now on, keeps the last training forward's arguments (:attr:`last_inputs`): a benched
+        rank's probe of its own speed runs on them."""
+        self._kt_remember_inputs = True
+
+    @property
+    def last_inputs(self) -> Optional[tuple]:
+        """``(args, kwargs)`` of the last training forward since :meth:`remember_inputs`, else ``None``."""
+        return self._kt_last_inputs
 
     def add_step_listener(self, callback: Callable[[StepTiming], None]) -> None:
         """Calls ``callback(timing)`` after each synchronised step (the model holds ``callback``)."""
@@ -395,6 +407,8 @@ class DistributedDataParallel(_TorchDDP):
         if st.first_forward is None:
             st.first_forward = time.perf_counter()
             self._kt_clock.mark("start")
+        if self._kt_remember_inputs:
+            self._kt_last_inputs = (inputs, kwargs)
         record = _Forward(self._kt_count_samples(inputs, kwargs), sync, st.ref)
         # One rank trains (a world of one, or the others benched): nothing to exchange, so torch's reducer
         # is left out (its gradient hooks stay idle) and the weighting is applied at the end.

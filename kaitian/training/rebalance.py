@@ -29,6 +29,7 @@ group's store first, and the spare posts its receive only then.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 import weakref
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from kaitian import _torch as _te
 from kaitian.errors import SplitError, TrainingError
 from kaitian.training.exchange import gather_per_rank
+from kaitian.training.probe import probe_seconds
 from kaitian.training.sampler import DistributedSampler
 from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, solve_split
 
@@ -54,6 +56,9 @@ _FIRST_ROUND = 4  # ... and a first round after this many steps: start-up conver
 _log = logging.getLogger(__name__)
 
 _SPARE_POLL_S = 0.05  # a benched rank looks for its next message this often
+DEFAULT_PROBE_EVERY_S = 30.0  # ... and probes its own speed this often
+_PROBE_CHANGE = 0.25  # two probes in a row this much faster (or slower) than the cost published: a new cost
+_OWN_ROW = 7  # the fields of a rank's own row in a round's exchange (then the spares' published costs)
 
 
 @dataclass
@@ -137,6 +142,9 @@ class Rebalancer:
         state: more objects with ``state_dict()`` / ``load_state_dict()`` that
             change with the steps (LR schedulers stepped per batch, counters):
             a benched rank receives them with the optimizer's.
+        probe_every_s: a benched rank times a forward and backward of its last
+            batch this often while it waits, and its step cost follows the
+            probe's speed (``0``: never; see docs/training.md).
 
     Raises:
         TypeError: ``model`` is not a :class:`kaitian.DistributedDataParallel`.
@@ -157,6 +165,7 @@ class Rebalancer:
         group: Optional[dist.ProcessGroup] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
         state: Sequence[Any] = (),
+        probe_every_s: float = DEFAULT_PROBE_EVERY_S,
     ) -> None:
         from kaitian.training.ddp import DistributedDataParallel
 
@@ -174,6 +183,8 @@ class Rebalancer:
             raise ValueError(f"measure must be 'busy' or 'compute', got {measure!r}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not float(probe_every_s) >= 0:
+            raise ValueError(f"probe_every_s must be >= 0, got {probe_every_s}")
         self.sampler = sampler
         self.every = None if by_epoch else (DEFAULT_EVERY if every is None else int(every))
         self.seconds = 0.0 if by_epoch else (DEFAULT_SECONDS if seconds is None else float(seconds))
@@ -184,6 +195,7 @@ class Rebalancer:
         self.world = sampler.num_replicas
         self.optimizer = optimizer
         self.state = list(state)
+        self.probe_every_s = float(probe_every_s)
         self._own_cap, self._caps = self._parse_caps(max_batch_size)
         self._fit = StepCostFit()
         self._cost: Optional[StepCost] = None  # this rank's smoothed fit
@@ -231,7 +243,13 @@ class Rebalancer:
         self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
         self._snapshot: Optional[tuple] = None  # (tensors, works) of the last state sent
         self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
+        # benched: (its first probe's seconds, its cost then, the ratio published, the last probe's if off it)
+        self._probe: Optional[Tuple[float, StepCost, float, Optional[float]]] = None
+        self._next_probe = 0.0
+        self._published = False  # this rank's cost key holds a probe's cost
         model.use_sampler(self.sampler)
+        if self.optimizer is not None and self.probe_every_s > 0:  # a benched rank probes on them
+            model.remember_inputs()
         self._device = model.device
         self.world_group = group if group is not None else model.process_group
         self._model_ref = weakref.ref(model)
@@ -385,6 +403,7 @@ class Rebalancer:
         """
         self._last_round = time.monotonic()
         self._since_round = 0
+        self._probe, self._next_probe = None, 0.0  # benched now, it probes afresh: its first probe is its cost now
         fit = self._fit.cost() if self._fit.points else None
         if fit is not None:
             old_cost = self._cost
@@ -393,7 +412,7 @@ class Rebalancer:
                 self.smoothing * fit.per_sample_s + (1 - self.smoothing) * old_cost.per_sample_s)
         old = self.sampler.split
         training = [r for r, n in enumerate(old) if n > 0]
-        costs, comm, caps, measured, ahead, speeds = self._exchange(training, self.group)
+        costs, comm, caps, measured, ahead, speeds = self._exchange(training, self.group, epoch_start)
         if comm is not None and len(training) > 1:
             groups = {self._vendor_groups[r] for r in training}
             if len(groups) == 1:
@@ -474,22 +493,28 @@ class Rebalancer:
     def _fit_window_done(self) -> None:
         self._comm, self._busy = [0.0, 0], [0.0, 0]
 
-    def _exchange(self, ranks: List[int], group: dist.ProcessGroup):
+    def _exchange(self, ranks: List[int], group: dist.ProcessGroup, epoch_start: bool = False):
         """The round's exchange among ``ranks`` (the world ranks of ``group``, in its rank order):
-        every rank's fitted cost (a benched rank's: its last, kept by every rank), the exchange
-        time, the caps, the measured step, the loaders' leads and the host reduce speeds, the same on every rank."""
+        every rank's fitted cost (a benched rank's: its last, kept by every rank, or at an epoch start
+        what its probe published, as the first of ``ranks`` read it), the exchange time, the caps,
+        the measured step, the loaders' leads and the host reduce speeds, the same on every rank."""
         cost = self._cost if self._cost is not None else StepCost(0.0, 0.0)
         comm = self._comm[0] / self._comm[1] if self._comm[1] else -1.0
         busy = self._busy[0] / self._busy[1] if self._busy[1] else -1.0
         own = [cost.fixed_s, cost.per_sample_s, comm, busy,
                float(self._own_cap) if self._own_cap is not None else 0.0,
                self._ahead() if self.sampler.local_batch_size > 0 else 0.0, _reduce_speed(group)]
-        table = gather_per_rank(own, group, self._device)
+        first = dist.get_rank(self.world_group) == ranks[0]
+        table = gather_per_rank(own + self._published_costs(epoch_start and first), group, self._device)
         caps: List[Optional[int]] = list(self._known_caps)
         for r, row in zip(ranks, table):
             self._known[r] = StepCost(row[0], row[1])
             caps[r] = int(row[4]) if row[4] > 0 else None
         self._known_caps = list(caps)
+        published = table[0][_OWN_ROW:]
+        for r in range(self.world):
+            if r not in ranks and published[2 * r + 1] > 0:
+                self._known[r] = StepCost(published[2 * r], published[2 * r + 1])
         costs = list(self._known)
         if self._caps is not None:
             caps = [None if c is None else int(c) for c in self._caps]
@@ -587,6 +612,9 @@ class Rebalancer:
         self._since_round = 0  # the trainers' round of this epoch start, counted as theirs
         me = dist.get_rank(self.world_group)
         if new[me] > 0:
+            if self._published:  # trained again, it is measured: its probe's cost is withdrawn
+                _te.default_store().set(_cost_key(me), _NO_COST)
+                self._published = False
             self._receive_state(source)
             self._train_in([r for r, n in enumerate(new) if n > 0])
             self._skip = self.warmup_steps
@@ -639,8 +667,68 @@ class Rebalancer:
         while int(store.add(key, 0)) <= self._received:
             if self.while_waiting is not None:
                 self.while_waiting()
+            self._probe_if_due()
             time.sleep(_SPARE_POLL_S)
         self._received += 1
+
+    def _probe_if_due(self) -> None:
+        """A benched rank, every ``probe_every_s``: times its last batch's forward and backward. Its
+        first probe stands for the cost the trainers know; when two probes in a row are faster (or
+        slower) than the published cost by more than a quarter, the cost scaled by the last one's
+        ratio is published, for the next epoch start's round (a new regime, not one noisy probe)."""
+        if self.probe_every_s <= 0 or time.monotonic() < self._next_probe:
+            return
+        model, me = self._model_ref(), dist.get_rank(self.world_group)
+        inputs = model.last_inputs if model is not None else None
+        if inputs is None or not self._known[me].known:
+            return
+        try:
+            seconds = probe_seconds(model.module, inputs, self._device)
+        except Exception as exc:  # noqa: BLE001 (any model error: the spare keeps its last cost)
+            _log.warning("re-balancer: rank %d cannot probe its own speed while benched (%s: %s); "
+                         "its cost stays as last measured", me, type(exc).__name__, exc)
+            self.probe_every_s = 0.0
+            return
+        self._next_probe = time.monotonic() + self.probe_every_s
+        if not seconds:
+            return
+        if self._probe is None:
+            self._probe = (seconds, self._known[me], 1.0, None)
+            return
+        first_s, cost, published, off = self._probe
+        ratio = seconds / first_s
+        if abs(ratio / published - 1.0) <= _PROBE_CHANGE:
+            self._probe = (first_s, cost, published, None)
+        elif off is None or (off > published) != (ratio > published):
+            self._probe = (first_s, cost, published, ratio)
+        else:
+            self._probe, self._published = (first_s, cost, ratio, None), True
+            _te.default_store().set(_cost_key(me), f"{cost.fixed_s * ratio!r},{cost.per_sample_s * ratio!r}")
+
+    def _published_costs(self, read: bool) -> List[float]:
+        """``[fixed, per-sample]`` per rank: a benched rank's published cost where ``read`` and there
+        is one, else ``-1`` (the first training rank reads them, so that every trainer decides on the same)."""
+        values = [-1.0] * (2 * self.world)
+        if not read:
+            return values
+        store = _te.default_store()
+        for r in self._spares():
+            key = _cost_key(r)
+            if not store.check([key]):
+                continue
+            value = store.get(key)
+            if value == _NO_COST.encode():
+                continue
+            try:
+                fixed, per_sample = (float(v) for v in value.decode().split(","))
+            except ValueError:
+                fixed = per_sample = math.nan
+            if not (math.isfinite(fixed) and math.isfinite(per_sample) and fixed >= 0 and per_sample > 0):
+                _log.warning("re-balancer: rank %d published a step cost that is not one (%r); ignored", r,
+                             value[:64])
+                continue
+            values[2 * r], values[2 * r + 1] = fixed, per_sample
+        return values
 
     def _send_state(self, spares: Optional[List[int]] = None) -> None:
         """The first training rank sends the model, the optimizer's state and ``state`` to the
@@ -725,6 +813,14 @@ def _reduce_speed(group: dist.ProcessGroup) -> float:
 def _message_key(rank: int) -> str:
     """The store's count of the re-balancer's messages sent to benched ``rank``."""
     return f"kaitian/rebalance/spare-messages/{rank}"
+
+
+def _cost_key(rank: int) -> str:
+    """Where benched ``rank`` publishes the step cost its probes measure (``_NO_COST``: none)."""
+    return f"kaitian/rebalance/spare-cost/{rank}"
+
+
+_NO_COST = "none"
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ def _run_bench_spare(layout, *flags):
     run = run_ranks(layout, [worker("bench_spare"), *flags], timeout=180)
     try:
         assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        for log in run.logs:  # a spare's probe runs on its device (the fake MLU's streams included)
+            assert "cannot probe its own speed" not in open(log).read(), tail(log)
         r0, r1 = (json.load(open(out)) for out in run.outs)
         return r0, r1, tail(run.logs[0], 1000)
     finally:
@@ -82,3 +84,20 @@ def test_a_spare_called_back_to_train_beside_the_others_keeps_the_rounds_in_step
     assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0
     both = [epoch for epoch, split in r0["shares"] if min(split) > 0]
     assert both and max(both) == 8 and len(both) >= 3, r0["shares"]  # both train from the call-back to the end
+
+
+def test_a_spare_whose_device_gets_faster_while_benched_is_called_back_by_its_probe():
+    """Rank 1's model takes 0.2 s a forward (its device busy with something else), so it is
+    benched; from epoch 3 on it is fast, which nothing but its own probe can see: the probe
+    (every 0.2 s while it waits) publishes the new cost and an epoch start soon calls it back
+    to train beside rank 0 (2 ms a sample); every rank stays exact."""
+    r0, r1, log0 = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
+                                    "--model-delay1", "0.2", "--speedup", "3", "--probe-every", "0.2",
+                                    "--epochs", "9")
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=9)
+    for r in (r0, r1):
+        assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
+    epochs_of_1 = {epoch for epoch, _, _ in r1["trained"]}
+    assert not {1, 2, 3} & epochs_of_1, r0["history"]  # benched while slow (epoch 3's round came first)
+    assert epochs_of_1 & set(range(4, 9)), r0["history"]  # called back once its probe saw it fast
+    assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0

@@ -9,7 +9,9 @@ measures) and is benched; from epoch ``--turn`` on rank 0 costs ``--slow0`` s a
 step, so that rank 1 alone is faster: at the next epoch start rank 1 is
 called back and rank 0 benched. With ``--per-sample`` both costs are per sample
 instead: rank 1 is benched for the exchange it adds, and called back to train
-beside rank 0 (their rounds must then stay in step, every ``--every`` steps). Every rank writes the indices it trained per
+beside rank 0 (their rounds must then stay in step, every ``--every`` steps). With
+``--model-delay1 S`` rank 1's model itself takes S s a forward (what its probe sees while
+benched) until epoch ``--speedup``. Every rank writes the indices it trained per
 (epoch, step), its shares and its final weights.
 """
 
@@ -27,6 +29,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import kaitian
 from support.worker_env import end_process_group
+
+
+class Delay(torch.nn.Module):
+    """A device busy with something else: each forward takes ``seconds`` longer."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = 0.0
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x
 
 
 def drawing_ahead(loader, ahead=2):
@@ -47,6 +61,9 @@ def main():
     p.add_argument("--slow1", type=float, default=0.05)
     p.add_argument("--per-sample", action="store_true", help="--slow0 and --slow1 are seconds per sample")
     p.add_argument("--every", type=int, default=25, help="the re-balancer's rounds: every this many steps")
+    p.add_argument("--model-delay1", type=float, default=0.0, help="rank 1's model: seconds a forward ...")
+    p.add_argument("--speedup", type=int, default=None, help="... until this epoch")
+    p.add_argument("--probe-every", type=float, default=30.0, help="a benched rank's probe: every this many s")
     args, _ = p.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("kaitian")
@@ -58,14 +75,20 @@ def main():
     ds = TensorDataset(x, y, torch.arange(200))
     sampler = kaitian.DistributedSampler(ds, batch_size=16, capabilities=[1.0, 1.0])  # 6 steps of 32, one of 8
     torch.manual_seed(1234)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double().to(device)
+    delay = Delay()
+    delay.seconds = args.model_delay1 if rank == 1 else 0.0
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), delay, torch.nn.Linear(32, 1))
+    net = net.double().to(device)
     model = kaitian.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[schedule], every=args.every)
+    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[schedule], every=args.every,
+                                  probe_every_s=args.probe_every)
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
     trained, shares = [], []
     for epoch in range(args.epochs):
+        if epoch == args.speedup:
+            delay.seconds = 0.0
         sampler.set_epoch(epoch)
         for step, (xb, yb, index) in enumerate(drawing_ahead(loader)):
             if step == 0:
