@@ -716,18 +716,13 @@ class Rebalancer:
             key = _cost_key(r)
             if not store.check([key]):
                 continue
-            value = store.get(key)
-            if value == _NO_COST.encode():
-                continue
             try:
-                fixed, per_sample = (float(v) for v in value.decode().split(","))
-            except ValueError:
-                fixed = per_sample = math.nan
-            if not (math.isfinite(fixed) and math.isfinite(per_sample) and fixed >= 0 and per_sample > 0):
-                _log.warning("re-balancer: rank %d published a step cost that is not one (%r); ignored", r,
-                             value[:64])
+                cost = published_cost(store.get(key))
+            except ValueError as exc:
+                _log.warning("re-balancer: rank %d's published step cost is ignored: %s", r, exc)
                 continue
-            values[2 * r], values[2 * r + 1] = fixed, per_sample
+            if cost is not None:
+                values[2 * r], values[2 * r + 1] = cost.fixed_s, cost.per_sample_s
         return values
 
     def _send_state(self, spares: Optional[List[int]] = None) -> None:
@@ -821,6 +816,23 @@ def _cost_key(rank: int) -> str:
 
 
 _NO_COST = "none"
+
+
+def published_cost(value: bytes) -> Optional[StepCost]:
+    """The step cost a benched rank published (``None``: withdrawn).
+
+    Raises:
+        ValueError: ``value`` is not ``FIXED,PER_SAMPLE`` seconds (finite, the per-sample part positive).
+    """
+    if value == _NO_COST.encode():
+        return None
+    try:
+        fixed, per_sample = (float(v) for v in value.decode().split(","))
+    except ValueError:
+        fixed = per_sample = math.nan
+    if not (math.isfinite(fixed) and math.isfinite(per_sample) and fixed >= 0 and per_sample > 0):
+        raise ValueError(f"{value[:64]!r} is not 'FIXED,PER_SAMPLE' seconds")
+    return StepCost(fixed, per_sample)
 
 
 @dataclass(frozen=True)

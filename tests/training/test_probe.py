@@ -1,5 +1,6 @@
-"""A benched rank's probe of its own speed leaves its model exactly as it was."""
+"""A benched rank's probe of its own speed leaves its model as it was; the cost it publishes is checked."""
 
+import pytest
 import torch
 
 from kaitian.training.probe import probe_seconds
@@ -47,3 +48,14 @@ def test_an_output_with_nothing_to_differentiate_is_no_probe():
         p.requires_grad_(False)
     assert probe_seconds(net, ((torch.randn(4, 8),), {}), torch.device("cpu")) is None
     assert net.training
+
+
+def test_a_published_cost_is_checked_before_the_trainers_use_it():
+    from kaitian.training.rebalance import published_cost
+    from kaitian.training.stepcost import StepCost
+
+    assert published_cost(b"0.002,0.0005") == StepCost(0.002, 0.0005)
+    assert published_cost(b"none") is None  # withdrawn: the rank trained again
+    for garbage in (b"1,2,3", b"nan,0.1", b"0.1,inf", b"-1,0.1", b"0.1,0", b"\xff\xfe", b"", b"0.1"):
+        with pytest.raises(ValueError, match="is not 'FIXED,PER_SAMPLE' seconds"):
+            published_cost(garbage)
