@@ -46,6 +46,8 @@ def gather_per_rank(
     world = dist.get_world_size(group) if initialized else 1
     rank = dist.get_rank(group) if initialized else 0
     row = torch.tensor([v if dtype.is_floating_point else int(v) for v in values], dtype=dtype)
+    if world == 1 and not async_op:  # nothing to exchange: no tensor on the device, nothing waits for it
+        return [row.tolist()]
     if world > 1 and dist.get_backend(group) == BACKEND_NAME:
         device = torch.device("cpu")
     elif device is None:
