@@ -247,6 +247,7 @@ class Rebalancer:
         self._probe: Optional[Tuple[float, StepCost, float, Optional[float]]] = None
         self._next_probe = 0.0
         self._published = False  # this rank's cost key holds a probe's cost
+        self._next_read = 0.0  # the first training rank reads the spares' published costs from then on
         model.use_sampler(self.sampler)
         if self.optimizer is not None and self.probe_every_s > 0:  # a benched rank probes on them
             model.remember_inputs()
@@ -707,10 +708,12 @@ class Rebalancer:
 
     def _published_costs(self, read: bool) -> List[float]:
         """``[fixed, per-sample]`` per rank: a benched rank's published cost where ``read`` and there
-        is one, else ``-1`` (the first training rank reads them, so that every trainer decides on the same)."""
+        is one, else ``-1`` (the first training rank reads them, so that every trainer decides on the same;
+        at most twice per ``probe_every_s``, the most often a spare can publish: the store is a round trip)."""
         values = [-1.0] * (2 * self.world)
-        if not read:
+        if not read or self.probe_every_s <= 0 or time.monotonic() < self._next_read:
             return values
+        self._next_read = time.monotonic() + self.probe_every_s / 2
         store = _te.default_store()
         for r in self._spares():
             key = _cost_key(r)
