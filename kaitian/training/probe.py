@@ -16,6 +16,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from kaitian.training.ddp import _grad_tensors
+
 __all__ = ["probe_seconds"]
 
 
@@ -26,8 +28,6 @@ def probe_seconds(module: torch.nn.Module, inputs: Tuple[Any, dict], device: tor
 
     The module's parameters, buffers, gradients and training mode are as before.
     """
-    from kaitian.training.ddp import _grad_tensors
-
     args, kwargs = _on(device, inputs)  # as torch's DDP moves them with device_ids
     params = [p for p in module.parameters() if p.requires_grad]
     grads = [p.grad for p in params]

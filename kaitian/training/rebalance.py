@@ -378,7 +378,7 @@ class Rebalancer:
         if self._switch is not None and step >= self._switch[0]:
             self._train_in(self._switch[1])
             self._switch = None
-        if self.sampler.split.count(0) >= self.world - 1:
+        if len(self._spares()) >= self.world - 1:
             return  # one rank trains: nothing to move within an epoch (a spare is called back at an epoch start)
         since = self._since_round
         first = since == _FIRST_ROUND and not self.history
