@@ -39,15 +39,16 @@ def _replay(trained_by_rank, epochs):
     return [p.detach().reshape(-1).tolist() for p in net.parameters()], opt.param_groups[0]["lr"]
 
 
-def _run_bench_spare(layout, *flags):
-    """Runs workers/bench_spare.py on ``layout``; returns both ranks' reports and rank 0's log."""
+def _run_bench_spare(layout, *flags, logs_of=0):
+    """Runs workers/bench_spare.py on ``layout``; returns both ranks' reports and rank ``logs_of``'s log."""
     run = run_ranks(layout, [worker("bench_spare"), *flags], timeout=180)
     try:
         assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
-        for log in run.logs:  # a spare's probe runs on its device (the fake MLU's streams included)
-            assert "cannot probe its own speed" not in open(log).read(), tail(log)
+        if "--probe-fails1" not in flags:
+            for log in run.logs:  # a spare's probe runs on its device (the fake MLU's streams included)
+                assert "cannot probe its own speed" not in open(log).read(), tail(log)
         r0, r1 = (json.load(open(out)) for out in run.outs)
-        return r0, r1, tail(run.logs[0], 1000)
+        return r0, r1, tail(run.logs[logs_of], 1000)
     finally:
         cleanup(run)
 
@@ -101,3 +102,17 @@ def test_a_spare_whose_device_gets_faster_while_benched_is_called_back_by_its_pr
     assert not {1, 2, 3} & epochs_of_1, r0["history"]  # benched while slow (epoch 3's round came first)
     assert epochs_of_1 & set(range(4, 9)), r0["history"]  # called back once its probe saw it fast
     assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0
+
+
+def test_a_spare_whose_model_the_probe_cannot_run_says_so_once_and_stays_benched_exactly():
+    """The same run, but rank 1's model raises in eval mode: its first probe fails, it warns
+    once and stops probing (its cost stays as last measured), so it is never called back;
+    training goes on and every rank stays exact."""
+    r0, r1, log1 = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
+                                    "--model-delay1", "0.2", "--speedup", "3", "--probe-every", "0.2",
+                                    "--epochs", "9", "--probe-fails1", logs_of=1)
+    weights, _ = _replay([r0["trained"], r1["trained"]], epochs=9)
+    for r in (r0, r1):
+        assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
+    assert not {epoch for epoch, _, _ in r1["trained"]} & set(range(3, 9)), r0["history"]
+    assert log1.count("cannot probe its own speed while benched (RuntimeError: this model cannot run") == 1, log1

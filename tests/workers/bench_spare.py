@@ -11,7 +11,8 @@ called back and rank 0 benched. With ``--per-sample`` both costs are per sample
 instead: rank 1 is benched for the exchange it adds, and called back to train
 beside rank 0 (their rounds must then stay in step, every ``--every`` steps). With
 ``--model-delay1 S`` rank 1's model itself takes S s a forward (what its probe sees while
-benched) until epoch ``--speedup``. Every rank writes the indices it trained per
+benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mode (a model
+the probe cannot run). Every rank writes the indices it trained per
 (epoch, step), its shares and its final weights.
 """
 
@@ -37,8 +38,11 @@ class Delay(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.seconds = 0.0
+        self.fails_in_eval = False
 
     def forward(self, x):
+        if self.fails_in_eval and not self.training:
+            raise RuntimeError("this model cannot run in eval mode")
         time.sleep(self.seconds)
         return x
 
@@ -64,6 +68,7 @@ def main():
     p.add_argument("--model-delay1", type=float, default=0.0, help="rank 1's model: seconds a forward ...")
     p.add_argument("--speedup", type=int, default=None, help="... until this epoch")
     p.add_argument("--probe-every", type=float, default=30.0, help="a benched rank's probe: every this many s")
+    p.add_argument("--probe-fails1", action="store_true", help="rank 1's model raises in eval mode")
     args, _ = p.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("kaitian")
@@ -77,6 +82,7 @@ def main():
     torch.manual_seed(1234)
     delay = Delay()
     delay.seconds = args.model_delay1 if rank == 1 else 0.0
+    delay.fails_in_eval = args.probe_fails1 and rank == 1
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), delay, torch.nn.Linear(32, 1))
     net = net.double().to(device)
     model = kaitian.DistributedDataParallel(net)
