@@ -8,12 +8,11 @@ the ratio even when other processes load the machine). One kaitianrun job
 (backend kaitian) trains an MLP on synthetic data and cycles through its
 phases, one epoch each, so that changes in the machine's load hit every
 mode alike: solo, the equal split, the static split and ``--pairs`` epochs
-each of the fastest group alone, re-balancing and a plain local model,
-in turn (A B C A B C). The
-last three parts rotate through their positions from cycle to cycle: on a
-virtual machine the phase after the equal split's, in which the fast rank
-mostly waits, runs measurably faster, and a fixed order would hand that to
-one mode. The modes:
+each of the fastest group alone, re-balancing and a plain local model, in
+turn (A B C A B C). The last three parts rotate through their positions from
+cycle to cycle: on a virtual machine the phase after the equal split's, in
+which the fast rank mostly waits, runs measurably faster, and a fixed order
+would hand that to one mode. The modes:
 
 * *solo*: each rank trains a local copy alone at its equal-split batch (both
   at once, no communication),
@@ -36,8 +35,9 @@ rank, each at its equal-split batch) or the plain local model (the fastest
 rank alone at the whole batch), whichever is higher.
 
 A phase's time is its training ranks' (the slowest one's, from its epoch
-start, the re-balancer's round included, to its last step): a benched rank receives its copy of the state at the epoch's
-end, which holds up only collectives of the whole world, not the steps.
+start, the re-balancer's round included, to its last step): a benched rank
+receives its copy of the state at the epoch's end, which holds up only
+collectives of the whole world, not the steps.
 
 The table reports each mode's median over the second half of the cycles (the
 steady state: re-balancing starts from the equal split by design; a median,
@@ -45,8 +45,9 @@ because a transient stall of one rank on a shared machine hits one phase and
 a mean would charge it to whichever mode it hit), and re-balancing's mean
 over all cycles, convergence included. Its factor over the fastest group
 alone (and over the plain local model) is the median of each re-balancing
-epoch over the alone (local) epoch run next to it: a virtual machine's speed drifts by 10-20 % within seconds, more than
-the difference the goal is about, and two epochs back to back see the same.
+epoch over the alone (local) epoch run next to it: a virtual machine's speed
+drifts by 10-20 % within seconds, more than the difference the goal is about,
+and two epochs back to back see the same.
 """
 
 from __future__ import annotations
@@ -290,7 +291,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"kaitian bench hetero: groups cpu0 / cpu1 with {quotas[0]:g} / {quotas[1]:g} cores "
           f"of CPU time, MLP {args.features}-{args.hidden}-{args.hidden}-10, per-rank batch "
           f"{args.batch_size} (global {2 * args.batch_size}), {args.cycles} cycles of solo, equal, static and "
-          f"{args.pairs} x (alone, re-balancing, plain local) epochs of {args.steps} steps, backend {args.backend}", flush=True)
+          f"{args.pairs} x (alone, re-balancing, plain local) epochs of {args.steps} steps, "
+          f"backend {args.backend}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kaitian-bench-hetero-") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--nproc-auto", "--cpu-slots", "2",
