@@ -82,8 +82,8 @@ def _phases(cycle: int, pairs: int) -> List[str]:
     equal split, the static split and ``pairs`` epochs each of the fastest group
     alone, re-balancing and the plain local model, in turn (which of the three
     leads rotates each cycle); the three parts rotate by one position each cycle."""
-    k = cycle % len(_TRIO)
-    trio = [*_TRIO[k:], *_TRIO[:k]]
+    lead = cycle % len(_TRIO)
+    trio = [*_TRIO[lead:], *_TRIO[:lead]]
     parts = [["equal"], ["static"], trio * pairs]
     k = cycle % len(parts)
     return ["solo", *(mode for part in parts[k:] + parts[:k] for mode in part)]
@@ -95,10 +95,10 @@ def _steady_state(history: Dict[str, List[Tuple[int, float]]],
     over the fastest group alone and the plain local model: the median of each re-balancing epoch
     over the alone (local) epoch run next to it (the k-th of each in a cycle)."""
     settled = cycles // 2
-    steady = {m: statistics.median(v for c, v in runs if c >= settled) for m, runs in history.items() if runs}
+    steady = {m: statistics.median(v for c, v in runs if c >= settled) for m, runs in history.items()}
     paired = {
         base: statistics.median(r / a for (c, r), (_, a) in zip(history["rebalance"], history[base]) if c >= settled)
-        for base in ("alone", "local") if history.get(base)
+        for base in ("alone", "local")
     }
     return steady, paired
 
@@ -163,6 +163,11 @@ def _worker(args: argparse.Namespace) -> int:
     def gather(value: float) -> List[float]:
         return [row[0] for row in gather_per_rank([value], device=device)]
 
+    def shuffled(cycle: int, size: int) -> List[List[int]]:
+        """The epoch's batches of ``size`` for a local model: a permutation seeded by the cycle."""
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cycle)).tolist()
+        return [perm[i * size:(i + 1) * size] for i in range(args.steps)]
+
     def train(model, opt, batches) -> int:
         seen = 0
         for idx in batches:
@@ -213,9 +218,7 @@ def _worker(args: argparse.Namespace) -> int:
             dist.barrier()
             start = time.perf_counter()
             if mode == "solo":
-                perm = torch.randperm(n, generator=torch.Generator().manual_seed(cycle)).tolist()
-                own = [perm[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.steps)]
-                seen = train(solo_net, solo_opt, own)
+                seen = train(solo_net, solo_opt, shuffled(cycle, args.batch_size))
                 rates = gather(seen / (time.perf_counter() - start))
                 if not solo_rates:
                     solo_rates = rates
@@ -228,9 +231,7 @@ def _worker(args: argparse.Namespace) -> int:
                     if mode == "alone":
                         seen = alone_epoch(fastest)
                     else:
-                        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cycle)).tolist()
-                        step = args.batch_size * world
-                        seen = train(local_net, local_opt, [perm[i * step:(i + 1) * step] for i in range(args.steps)])
+                        seen = train(local_net, local_opt, shuffled(cycle, args.batch_size * world))
                     rate = seen / (time.perf_counter() - start)
                 history[mode].append((cycle, sum(gather(rate))))
                 continue
