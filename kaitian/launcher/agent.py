@@ -2,7 +2,7 @@
 
 torch's agent runs the job (rendezvous, start, monitor, restart, exit barrier,
 watchdog, health check) and gives every worker this torch release's torchrun
-environment. kaitian changes four things:
+environment. kaitian changes five things:
 
 - the ranks: nodes exchange their device inventories and ranks are laid out
   grouped by vendor (``_assign_worker_ranks``, :mod:`kaitian.launcher.placement`);
@@ -12,7 +12,9 @@ environment. kaitian changes four things:
   :class:`~kaitian.launcher.runtimes.base.Runtime` (``_start_workers``);
 - ``--on-failure continue``: workers are watched and started again one by one
   (``_monitor_workers``, ``_restart_workers``, ``_exit_barrier``;
-  :mod:`kaitian.launcher.continuing`).
+  :mod:`kaitian.launcher.continuing`);
+- a stop signal is never lost: one that an ``except Exception`` swallowed is
+  raised again at the next monitoring step (:mod:`kaitian.launcher.stop_signal`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kaitian.launcher.environment import worker_environment
 from kaitian.launcher.logs import line_prefixes, one_worker_logs
 from kaitian.launcher.rendezvous import NodePlacement, agree_on_placement, local_inventory
 from kaitian.launcher.runtimes.base import WorkerStart
+from kaitian.launcher.stop_signal import StopSignal
 from kaitian.settings import settings
 
 from kaitian.launcher.request import LaunchRequest
@@ -74,6 +77,7 @@ class KaitianAgent(_te.LocalElasticAgent):
         self._served_store = None  # the store node 0 serves to its workers after a restart
         self._node = f"{socket.gethostname()}:{os.getpid()}"  # names this agent's workers in continue mode
         self._continuation: Optional[Continuation] = None
+        self._stop_signal = StopSignal()
 
     # -- rank layout ----------------------------------------------------------
 
@@ -204,7 +208,7 @@ class KaitianAgent(_te.LocalElasticAgent):
                 job_key=job_key, elastic_run=elastic_run, start_dir=start_dir, joining=joining,
                 torchrun={lr: (args[lr], envs[lr]) for lr in envs},
             )
-            return self._runtime.start(self._worker_start(worker_group.workers, members))
+            return self._start_in_runtime(self._worker_start(worker_group.workers, members))
 
         with _te.workers_started_by(to_runtime):
             pids = super()._start_workers(worker_group)
@@ -254,6 +258,11 @@ class KaitianAgent(_te.LocalElasticAgent):
             start_method=self._start_method,
         )
 
+    def _start_in_runtime(self, start: WorkerStart) -> "_te.PContext":
+        context = self._runtime.start(start)
+        self._stop_signal.hold()  # over the handler the context's start installed
+        return context
+
     def _workers_started(self, worker_group: "_te.WorkerGroup") -> None:
         """Records the running workers' pids (run directory, monitor)."""
         if self._continuation is not None:
@@ -281,7 +290,7 @@ class KaitianAgent(_te.LocalElasticAgent):
             count = worker_group.spec.max_restarts - self._remaining_restarts
             start = self._worker_start([worker_group.workers[worker.local_rank]], {worker.local_rank: worker.member},
                                        restart_count=count)
-            context = self._runtime.start(start)
+            context = self._start_in_runtime(start)
             self._workers_started(worker_group)
             return context, 0
 
@@ -322,6 +331,7 @@ class KaitianAgent(_te.LocalElasticAgent):
         return None
 
     def _monitor_workers(self, worker_group: "_te.WorkerGroup") -> "_te.RunResult":
+        self._stop_signal.raise_received()  # one an `except Exception` swallowed
         if self._continuation is not None:
             return self._continuation.monitor({w.local_rank: w.global_rank for w in worker_group.workers})
         return super()._monitor_workers(worker_group)

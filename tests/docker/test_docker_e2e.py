@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from support import REPO, worker
+from support import REPO, repo_env, worker
 from support.conda_env import conda_activation, conda_style_env
 from support.docker import WORKER_UID, engine, inspect, kaitian_containers, own, run_agent, test_image
 from support.kept_logs import RUN_BASE, assert_logs_kept_after_failure, remove_new_kept_logs, run_dirs
@@ -200,18 +200,21 @@ def test_failed_job_removes_its_containers_and_keeps_its_logs(tmp_path, image):
     assert_logs_kept_after_failure(proc, stderr)
 
 
-def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
-    out = tmp_path / "out"
-    own(str(out))
-    proc = subprocess.Popen(
-        _kaitianrun() + _args("docker", image), env=_env(out, "wait"), cwd=str(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+def _ctrl_c(tmp_path, argv, env, ready):
+    """Starts the agent ``argv``, sends its process group SIGINT (a terminal's Ctrl-C) once
+    ``ready()``, and checks that it stops within 90 s and leaves no container and no worker."""
+    proc = subprocess.Popen(argv, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        _wait_records(out, "where", 2, proc)
+        _wait_records(env["DOCKER_E2E_OUT"], "where", 2, proc)
         assert len(kaitian_containers(agent_pid=proc.pid)) == 2
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        proc.communicate(timeout=90)
+        ready()
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"kaitianrun did not stop within 90 s of Ctrl-C:\n{proc.communicate()[1][-3000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -219,6 +222,30 @@ def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
     assert proc.returncode != 0
     assert kaitian_containers(agent_pid=proc.pid) == []
     assert _no_workers_left()
+
+
+def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
+    out = tmp_path / "out"
+    own(str(out))
+    _ctrl_c(tmp_path, _kaitianrun() + _args("docker", image), _env(out, "wait"), ready=lambda: None)
+
+
+def test_ctrl_c_while_the_agent_waits_on_a_slow_engine_still_stops_the_job(tmp_path, image):
+    """The signal lands inside an engine call whose errors the agent tolerates: torch's
+    handler raises it as an ``Exception``, which that call's error path would swallow."""
+    out, marker = tmp_path / "out", tmp_path / "in-engine-call"
+    own(str(out))
+    env = repo_env(_env(out, "wait"), SLOW_ENGINE_MARKER=str(marker), SLOW_ENGINE_S="3")
+
+    def agent_waits_on_the_engine():
+        deadline = time.time() + 60
+        while not marker.exists():
+            assert time.time() < deadline, "the agent never inspected an exec"
+            time.sleep(0.05)
+        time.sleep(0.5)  # well inside the 3 s call
+
+    _ctrl_c(tmp_path, [sys.executable, "-m", "support.slow_engine"] + _args("docker", image), env,
+            ready=agent_waits_on_the_engine)
 
 
 def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):

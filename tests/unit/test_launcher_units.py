@@ -484,3 +484,36 @@ def test_kaitians_launch_agent_accounts_for_everything_torchs_takes(monkeypatch)
     monkeypatch.setattr(api, "launch_agent", lambda config, entrypoint, args, tracer=None: None)
     monkeypatch.setattr(api, "LaunchConfig", make_dataclass("LaunchConfig", ["min_nodes", "topology"]))
     assert te.launch_agent_drift() == ["launch_agent(tracer=...)", "LaunchConfig.topology"]
+
+
+def test_a_stop_signal_swallowed_by_an_except_exception_is_raised_again():
+    """torch's handler raises the signal as an ``Exception``; code that tolerates errors swallows it."""
+    from kaitian.launcher.stop_signal import STOP_SIGNALS, StopSignal
+
+    raised = []
+
+    def torchs(signum, frame):
+        raised.append(signum)
+        raise te.SignalException("stop", sigval=signal.Signals(signum))
+
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    signal.signal(signal.SIGTERM, torchs)
+    try:
+        stop = StopSignal()
+        stop.hold()
+        held = signal.getsignal(signal.SIGTERM)
+        stop.hold()  # a second start: not wrapped again
+        assert signal.getsignal(signal.SIGTERM) is held
+        stop.raise_received()  # none yet
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # (the handler runs here, and raises)
+        except Exception:  # noqa: BLE001 (what is tested: an error path that swallows it)
+            pass
+        assert raised == [signal.SIGTERM]
+        with pytest.raises(te.SignalException) as again:
+            stop.raise_received()
+        assert again.value.sigval == signal.SIGTERM
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
