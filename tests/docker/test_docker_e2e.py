@@ -202,13 +202,11 @@ def test_failed_job_removes_its_containers_and_keeps_its_logs(tmp_path, image):
 
 def _ctrl_c(tmp_path, argv, env, ready):
     """Starts the agent ``argv``, sends its process group SIGINT (a terminal's Ctrl-C) once
-    ``ready()``, and checks that it stops within 90 s and leaves no container and no worker."""
+    ``ready(agent)``, and checks that it stops within 90 s and leaves no container and no worker."""
     proc = subprocess.Popen(argv, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        _wait_records(env["DOCKER_E2E_OUT"], "where", 2, proc)
-        assert len(kaitian_containers(agent_pid=proc.pid)) == 2
-        ready()
+        ready(proc)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.communicate(timeout=90)
@@ -227,25 +225,32 @@ def _ctrl_c(tmp_path, argv, env, ready):
 def test_ctrl_c_leaves_no_container_and_no_process(tmp_path, image):
     out = tmp_path / "out"
     own(str(out))
-    _ctrl_c(tmp_path, _kaitianrun() + _args("docker", image), _env(out, "wait"), ready=lambda: None)
+
+    def workers_run(proc):
+        _wait_records(out, "where", 2, proc)
+        assert len(kaitian_containers(agent_pid=proc.pid)) == 2
+
+    _ctrl_c(tmp_path, _kaitianrun() + _args("docker", image), _env(out, "wait"), workers_run)
 
 
-def test_ctrl_c_while_the_agent_waits_on_a_slow_engine_still_stops_the_job(tmp_path, image):
-    """The signal lands inside an engine call whose errors the agent tolerates: torch's
-    handler raises it as an ``Exception``, which that call's error path would swallow."""
-    out, marker = tmp_path / "out", tmp_path / "in-engine-call"
+@pytest.mark.parametrize("call", ["create_container", "exec_inspect"])
+def test_ctrl_c_while_the_agent_waits_for_a_slow_engine_still_stops_the_job(tmp_path, image, call):
+    """The engine answers ``call`` 3 s late. create_container: a container exists whose id the
+    agent never got. exec_inspect (its monitoring, once the workers run): the agent tolerates an
+    engine error there, and torch's handler raises the signal as an ``Exception``."""
+    out, answered = tmp_path / "out", tmp_path / "answered"
     own(str(out))
-    env = repo_env(_env(out, "wait"), SLOW_ENGINE_MARKER=str(marker), SLOW_ENGINE_S="3")
+    env = repo_env(_env(out, "wait"), SLOW_ENGINE_CALL=call, SLOW_ENGINE_MARKER=str(answered), SLOW_ENGINE_S="3")
 
-    def agent_waits_on_the_engine():
+    def waits_for_the_answer(proc):
         deadline = time.time() + 60
-        while not marker.exists():
-            assert time.time() < deadline, "the agent never inspected an exec"
+        while not answered.exists():
+            assert proc.poll() is None and time.time() < deadline, f"the agent never called {call}"
             time.sleep(0.05)
-        time.sleep(0.5)  # well inside the 3 s call
+        time.sleep(0.5)  # well inside the wait
 
     _ctrl_c(tmp_path, [sys.executable, "-m", "support.slow_engine"] + _args("docker", image), env,
-            ready=agent_waits_on_the_engine)
+            waits_for_the_answer)
 
 
 def test_keep_containers_are_reused_by_the_next_run(tmp_path, image):

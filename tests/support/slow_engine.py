@@ -1,7 +1,9 @@
-"""``kaitianrun`` under a docker engine that answers the agent slowly: every
-exec inspection the agent's main thread makes (its monitoring) takes
-``SLOW_ENGINE_S`` seconds, and creates the file ``SLOW_ENGINE_MARKER`` first, so
-that a test can signal the agent while it waits on the engine.
+"""``kaitianrun`` under a docker engine that answers the agent late: every
+``SLOW_ENGINE_CALL`` (an Engine API client method: ``create_container``,
+``exec_inspect``) the agent's main thread makes is done, and its
+answer arrives ``SLOW_ENGINE_S`` seconds later; the file ``SLOW_ENGINE_MARKER``
+appears when the call is done, so that a test can signal the agent while it
+waits for the answer.
 
 Run as ``python -m support.slow_engine KAITIANRUN-ARGS...``.
 """
@@ -14,20 +16,22 @@ import sys
 import threading
 import time
 
-from docker.api.exec_api import ExecApiMixin
+from docker.api.client import APIClient
 
 
 def main() -> None:
-    marker, seconds = os.environ["SLOW_ENGINE_MARKER"], float(os.environ.get("SLOW_ENGINE_S", "3"))
-    inspect = ExecApiMixin.exec_inspect
+    name, marker = os.environ["SLOW_ENGINE_CALL"], os.environ["SLOW_ENGINE_MARKER"]
+    seconds = float(os.environ.get("SLOW_ENGINE_S", "3"))
+    call = getattr(APIClient, name)
 
-    def slow_inspect(self, exec_id):
+    def slow_call(self, *args, **kwargs):
+        answer = call(self, *args, **kwargs)
         if threading.current_thread() is threading.main_thread():
             open(marker, "a").close()
             time.sleep(seconds)
-        return inspect(self, exec_id)
+        return answer
 
-    ExecApiMixin.exec_inspect = slow_inspect
+    setattr(APIClient, name, slow_call)
     sys.argv[0] = "kaitianrun"
     runpy.run_module("kaitian.launcher.cli", run_name="__main__")
 

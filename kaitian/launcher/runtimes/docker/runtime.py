@@ -106,7 +106,7 @@ class DockerRuntime(Runtime):
         super().__init__(ctx)
         self.options: DockerOptions = ctx.options.of(self.name, DockerOptions)
         self._given_client = client
-        self._containers: Dict[str, str] = {}  # group -> this run's container id
+        self._containers: Dict[str, str] = {}  # group -> this run's container (its name until the engine gives its id)
         self._ties: Dict[str, object] = {}  # container id -> the agent's stdin attach
         self._images: Dict[str, ImageInfo] = {}
         st, python = os.stat(ctx.cwd), sys.executable
@@ -156,8 +156,8 @@ class DockerRuntime(Runtime):
 
     def shutdown(self) -> None:
         if not self.options.keep_containers:
-            for group, cid in list(self._containers.items()):
-                if _removed(lambda: remove_container(self.client.containers.get(cid)), f"container {cid[:12]}"):
+            for group, ref in list(self._containers.items()):
+                if _removed(lambda: remove_container(self.client.containers.get(ref)), f"the container of group {group}"):
                     logger.info("removed container of group %s", group)
         self._containers.clear()
         for tie in self._ties.values():
@@ -245,6 +245,8 @@ class DockerRuntime(Runtime):
             logger.info("container %s no longer matches its group; recreating it", old.name)
             remove_container(old)
         logger.info("creating container %s (%s, user %s)", spec.name, spec.image, spec.user)
+        # Shutdown removes it from here on: a Ctrl-C in the create or the start leaves nothing.
+        self._containers[spec.group] = spec.name
         try:
             container = client.containers.create(**spec.create_kwargs())
         except docker.errors.ImageNotFound:
@@ -256,12 +258,14 @@ class DockerRuntime(Runtime):
             raise DockerRuntimeError(
                 f"cannot create the container for group {spec.group!r}: {exc.explanation or exc}"
             ) from None
+        self._containers[spec.group] = container.id
         try:
             if spec.tied:  # attached before it starts (as docker run -i): stdin closes when the agent exits
                 self._ties[container.id] = client.api.attach_socket(container.id, params={"stdin": 1, "stream": 1})
             container.start()
         except docker.errors.APIError as exc:
             remove_container(container)
+            del self._containers[spec.group]
             self._ties.pop(container.id, None)
             why = str(exc.explanation or exc)
             hint = ""
