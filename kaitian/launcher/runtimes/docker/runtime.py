@@ -157,7 +157,7 @@ class DockerRuntime(Runtime):
     def shutdown(self) -> None:
         if not self.options.keep_containers:
             for group, ref in list(self._containers.items()):
-                if _removed(lambda: remove_container(self.client.containers.get(ref)), f"the container of group {group}"):
+                if _removed(lambda: remove_container(self.client.containers.get(ref)), f"group {group}'s container"):
                     logger.info("removed container of group %s", group)
         self._containers.clear()
         for tie in self._ties.values():
