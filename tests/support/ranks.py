@@ -110,6 +110,7 @@ class RankRun:
     seconds: float
     workdir: str = ""
     leftover_shm: List[str] = field(default_factory=list)
+    pids: List[int] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -196,7 +197,7 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
     time.sleep(0.2)
     leftover = sorted(shm_segments([p.pid for p in procs]) - before)
     return RankRun([p.returncode for p in procs], logs, outs, timed_out, time.monotonic() - start, workdir,
-                   leftover)
+                   leftover, [p.pid for p in procs])
 
 
 def kill_ranks(procs) -> None:
