@@ -214,6 +214,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     history = {m: [] for m in _MODES}  # (cycle, samples/s) of every phase
     solo_rates: List[float] = []
+    fastest = 0  # the rank the alone and plain local modes train on, by its solo rate
     epoch = 0
     for cycle in range(args.cycles):
         for mode in _phases(cycle, args.pairs):
@@ -228,11 +229,11 @@ def _worker(args: argparse.Namespace) -> int:
                 rates = gather(seen / (time.perf_counter() - start))
                 if mode == "capabilities":
                     solo_rates = rates
+                    fastest = max(range(world), key=lambda r: (rates[r], -r))
                 else:
                     history["solo"].append((cycle, sum(rates)))
                 continue
             if mode in ("alone", "local"):
-                fastest = max(range(world), key=lambda r: (solo_rates[r], -r))
                 rate = 0.0
                 if rank == fastest:
                     if mode == "alone":

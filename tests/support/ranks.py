@@ -195,9 +195,10 @@ def run_ranks(layout: Layout, argv: Sequence[str], timeout: float, workdir: Opti
         time.sleep(1.0)
         kill_ranks(procs)
     time.sleep(0.2)
-    leftover = sorted(shm_segments([p.pid for p in procs]) - before)
+    pids = [p.pid for p in procs]
+    leftover = sorted(shm_segments(pids) - before)
     return RankRun([p.returncode for p in procs], logs, outs, timed_out, time.monotonic() - start, workdir,
-                   leftover, [p.pid for p in procs])
+                   leftover, pids)
 
 
 def kill_ranks(procs) -> None:
