@@ -40,10 +40,11 @@ sources = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, 
 
 # KAITIAN_NO_EXTENSION=1: metadata and entry points only (scripts/setup.sh builds
 # the extension itself with `setup.py build_ext --inplace`, incrementally).
-# KAITIAN_BUILD_OPT: the optimisation flag (default -O3); CI builds the torches
-# at the ends of the supported range, which prove compatibility, not speed, with
-# "-O1 -g0" (about half the -O3 time).
-opt = os.environ.get("KAITIAN_BUILD_OPT", "-O3").split()
+# KAITIAN_BUILD_OPT: the optimisation flags (default "-O3 -g0": no debug info,
+# which Python's own CFLAGS ask for with -g and which doubles the compile time
+# against torch's headers; "-O3 -g" keeps it). CI builds the torches at the ends
+# of the supported range, which prove compatibility, not speed, with "-O1 -g0".
+opt = os.environ.get("KAITIAN_BUILD_OPT", "-O3 -g0").split()
 # The fake accelerator uses PrivateUse1 hooks (isPinnedPtr, noexcept stream
 # guards) that torch 2.4 lacks; it is built from 2.13 on (built here with 2.13
 # and 2.15), and kaitian.testing.fake_accelerator says so on older torches.
@@ -53,7 +54,7 @@ fake = [
     CppExtension(
         name="kaitian.testing._fake_accelerator",
         sources=sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "cpp", "fake", "*.cpp"))),
-        extra_compile_args=["-O2", f"-std={cxx_std}", "-fvisibility=hidden"],
+        extra_compile_args=["-O2", "-g0", f"-std={cxx_std}", "-fvisibility=hidden"],
     ),
 ] if _version >= FAKE_OLDEST else []
 setup(

@@ -2,7 +2,6 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/python.h>
 
 #include <algorithm>
 #include <mutex>

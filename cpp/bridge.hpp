@@ -3,7 +3,7 @@
 // (tcp_bridge.cpp). The backend builds every op from these primitives.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <string>

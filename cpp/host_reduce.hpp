@@ -1,7 +1,7 @@
 // Host-side reduction kernels used by the bridges (ATen plus a fast float path).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <atomic>

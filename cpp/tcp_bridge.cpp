@@ -2,6 +2,7 @@
 // rank can send to and receive from all peers at once without deadlocking, and
 // every wait honours the deadline. A closed socket means the peer died.
 #include "tcp_bridge.hpp"
+#include <ATen/ops/empty.h>
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -117,7 +117,7 @@ else
     log "building kaitian's C++ extension against torch $TORCH: what changed (log: $BUILD_LOG)"
   else
     log "building kaitian's C++ extension against torch $TORCH: the first build compiles about a dozen" \
-      "files, 5 to 10 min on 2 cores, about 1 on 16 (log: $BUILD_LOG)"
+      "files, about 1 min on 2 cores (log: $BUILD_LOG)"
   fi
   : > "$BUILD_LOG"
   if ! "$VPY" setup.py build_ext --inplace --build-temp "$BUILD_TEMP" 2>&1 | build_progress; then

@@ -12,7 +12,7 @@
 #include <c10/core/StreamGuard.h>
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <mutex>
 

@@ -1,10 +1,11 @@
 // kaitian.testing._fake_accelerator: a PrivateUse1 device whose memory is host
 // memory and whose streams are FIFOs run by worker threads, so that host code
 // missing a stream wait, a record_stream or an event sees wrong data.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <chrono>
