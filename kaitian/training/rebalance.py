@@ -241,7 +241,7 @@ class Rebalancer:
         self._known = [StepCost(0.0, 0.0)] * self.world  # every rank's cost as of the last round it took part in
         self._known_caps: List[Optional[int]] = [None] * self.world
         self._sending: List[tuple] = []  # (works, tensors) sent to benched ranks: kept until they arrive
-        self._snapshot: Optional[tuple] = None  # (tensors, works) of the last state sent
+        self._snapshot: Optional[tuple] = None  # (buffer, its tensors' specs, works) of the last state sent
         self._received = 0  # messages this rank took as a benched rank (the store counts those sent to it)
         # benched: (its first probe's seconds, its cost then, the ratio published, the last probe's if off it)
         self._probe: Optional[Tuple[float, StepCost, float, Optional[float]]] = None
@@ -649,18 +649,23 @@ class Rebalancer:
             store.add(_message_key(r), 1)
         return works
 
-    def _copies(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Copies of ``tensors`` for a snapshot: into the last snapshot's when that one has arrived
-        and has their shapes (a copy into memory in use: no allocation, no page faults, on the step
-        that ends the epoch), else new ones."""
+    def _packed(self, tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, list]:
+        """``tensors``' bytes, one after the other (:func:`_layout`), in one buffer on this rank's
+        device: one message however many tensors a model and its optimizer hold. The last snapshot's
+        buffer is reused when it has arrived and has their layout (a copy into memory in use: no
+        allocation, no page faults, on the step that ends the epoch). Returns it and their specs."""
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        offsets, total = _layout(specs)
+        flat = None
         if self._snapshot is not None:
-            last, works = self._snapshot
-            if all(w.is_completed() for w in works) and [(t.shape, t.dtype, t.device) for t in last] == [
-                    (t.shape, t.dtype, t.device) for t in tensors]:
-                for copy, t in zip(last, tensors):
-                    copy.copy_(t)
-                return last
-        return [t.detach().clone() for t in tensors]
+            last, last_specs, works = self._snapshot
+            if last_specs == specs and all(w.is_completed() for w in works):
+                flat = last
+        if flat is None:
+            flat = torch.empty(total, dtype=torch.uint8, device=self._device)
+        if tensors:
+            torch._foreach_copy_(_views(flat, specs, offsets), [t.detach() for t in tensors])
+        return flat, specs
 
     def _await_message(self) -> None:
         """A benched rank's wait for its next message, however long (see :meth:`_send`)."""
@@ -732,9 +737,9 @@ class Rebalancer:
         """The first training rank sends the model, the optimizer's state and ``state`` to the
         benched ranks, without waiting for them: a copy goes out while it trains on.
 
-        Tensors travel as tensors, each into its place (a benched rank on a slow
-        device spends its time receiving, not unpickling); the rest of the
-        states' structure travels pickled, with the tensors' shapes.
+        Three tensors, whatever the model: a header (the sizes of the next two), the states'
+        structure pickled with its tensors' shapes and dtypes, and every tensor's bytes packed
+        in one buffer (a benched rank on a slow device spends its time receiving, not unpickling).
         """
         if dist.get_rank(self.world_group) != self._source():
             return
@@ -742,28 +747,38 @@ class Rebalancer:
         model = self._model_ref()
         leaves: List[torch.Tensor] = []
         blob = pickle.dumps(_skeleton([obj.state_dict() for obj in [self.optimizer, *self.state]], leaves))
+        tensors = [*model.module.parameters(), *model.module.buffers(), *leaves]
         with torch.no_grad():  # a snapshot: the next steps change the originals
-            tensors = self._copies([*model.module.parameters(), *model.module.buffers(), *leaves])
-        works = self._send([torch.tensor([len(blob)], dtype=torch.int64),
-                            torch.frombuffer(bytearray(blob), dtype=torch.uint8), *tensors], spares)
-        self._snapshot = (tensors, works)
+            flat, specs = self._packed(tensors)
+        header = torch.tensor([len(blob), flat.numel()], dtype=torch.int64)
+        works = self._send([header, torch.frombuffer(bytearray(blob), dtype=torch.uint8), flat], spares)
+        self._snapshot = (flat, specs, works)
 
     def _receive_state(self, source: int) -> None:
         """A benched rank takes the state the first training rank sends (see :meth:`_send_state`)."""
         model = self._model_ref()
         group = self.world_group
-        size = torch.empty(1, dtype=torch.int64)
+        header = torch.empty(2, dtype=torch.int64)
         self._await_message()
-        dist.recv(size, source, group=group)
-        if not 0 < int(size) <= _MAX_SKELETON:
-            raise TrainingError(f"re-balancer: rank {source} sent a state of {int(size)} bytes to a benched rank")
-        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(header, source, group=group)
+        size, total = header.tolist()
+        if not 0 < size <= _MAX_SKELETON:
+            raise TrainingError(f"re-balancer: rank {source} sent a state of {size} bytes to a benched rank")
+        data = torch.empty(size, dtype=torch.uint8)
         dist.recv(data, source, group=group)
         skeleton = pickle.loads(data.numpy().tobytes())
         leaves = [torch.empty(shape, dtype=dtype) for shape, dtype in _leaf_specs(skeleton)]
+        targets = [*model.module.parameters(), *model.module.buffers(), *leaves]
+        specs = [(tuple(t.shape), t.dtype) for t in targets]
+        offsets, expected = _layout(specs)
+        if total != expected:
+            raise TrainingError(f"re-balancer: rank {source} sent {total} bytes of tensors to a benched rank "
+                                f"whose model and optimizer state take {expected} (a different model?)")
+        flat = torch.empty(total, dtype=torch.uint8, device=self._device)
+        dist.recv(flat, source, group=group)
         with torch.no_grad():
-            for tensor in [*model.module.parameters(), *model.module.buffers(), *leaves]:
-                dist.recv(tensor.data, source, group=group)
+            if targets:
+                torch._foreach_copy_([t.data for t in targets], _views(flat, specs, offsets))
         for obj, state in zip([self.optimizer, *self.state], _filled(skeleton, iter(leaves))):
             obj.load_state_dict(state)
 
@@ -796,6 +811,7 @@ class Rebalancer:
 
 
 _MAX_SKELETON = 1 << 30  # bytes of a state's structure (its tensors travel apart)
+_ALIGN = 16  # bytes: a packed tensor's start (the largest dtype's size)
 
 
 def _reduce_speed(group: dist.ProcessGroup) -> float:
@@ -877,6 +893,22 @@ def _leaf_specs(skeleton) -> List[Tuple[Tuple[int, ...], torch.dtype]]:
     if [leaf.index for leaf in found] != list(range(len(found))):
         raise TrainingError("re-balancer: the spares' state arrived out of order")
     return [(leaf.shape, leaf.dtype) for leaf in found]
+
+
+def _layout(specs: Sequence[Tuple[Tuple[int, ...], torch.dtype]]) -> Tuple[List[int], int]:
+    """Where each tensor's bytes start in a packed buffer, and its size: in order, each at a
+    multiple of 16 bytes (so that any dtype can view its place)."""
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        offsets.append(end)
+        end += (math.prod(shape) * dtype.itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offsets, end
+
+
+def _views(flat: torch.Tensor, specs, offsets: List[int]) -> List[torch.Tensor]:
+    """Each tensor's place in a packed buffer, as a tensor of its shape and dtype."""
+    return [flat[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), o in zip(specs, offsets)]
 
 
 def _filled(skeleton, leaves):

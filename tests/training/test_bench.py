@@ -7,6 +7,7 @@ rank ends with the weights of one process trained on the same global batches
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -116,3 +117,19 @@ def test_a_spare_whose_model_the_probe_cannot_run_says_so_once_and_stays_benched
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
     assert not {epoch for epoch, _, _ in r1["trained"]} & set(range(3, 9)), r0["history"]
     assert log1.count("cannot probe its own speed while benched (RuntimeError: this model cannot run") == 1, log1
+
+
+def test_a_spare_whose_model_differs_from_the_trainers_fails_with_one_clear_line():
+    """Rank 1's model holds a buffer of 9 values where rank 0's holds 1 (DDP leaves it alone): the
+    state rank 0 packs for it does not fit, and the spare says so instead of taking a part of it;
+    rank 0's next message to it fails, naming rank 1."""
+    run = run_ranks(Layout("1+1"), [worker("bench_spare"), "--buffer1", "9"], timeout=180)
+    try:
+        log0, log1 = (open(log).read() for log in run.logs)
+        assert min(run.returncodes) != 0 and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
+        sent = re.search(r"TrainingError: re-balancer: rank 0 sent (\d+) bytes of tensors to a benched rank whose "
+                         r"model and optimizer state take (\d+) \(a different model\?\)", log1)
+        assert sent and int(sent[2]) - int(sent[1]) == 8 * 8, tail(run.logs[1])  # 8 more float64 values
+        assert "rank 1 failed or exited" in log0, tail(run.logs[0])
+    finally:
+        cleanup(run)

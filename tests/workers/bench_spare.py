@@ -69,6 +69,8 @@ def main():
     p.add_argument("--speedup", type=int, default=None, help="... until this epoch")
     p.add_argument("--probe-every", type=float, default=30.0, help="a benched rank's probe: every this many s")
     p.add_argument("--probe-fails1", action="store_true", help="rank 1's model raises in eval mode")
+    p.add_argument("--buffer1", type=int, default=1, help="rank 1's model: a buffer of this many values (DDP leaves "
+                   "it alone; rank 0's has 1)")
     args, _ = p.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("kaitian")
@@ -84,8 +86,10 @@ def main():
     delay.seconds = args.model_delay1 if rank == 1 else 0.0
     delay.fails_in_eval = args.probe_fails1 and rank == 1
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), delay, torch.nn.Linear(32, 1))
+    delay.register_buffer("extra", torch.zeros(args.buffer1 if rank == 1 else 1))
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["2.extra"])
     net = net.double().to(device)
-    model = kaitian.DistributedDataParallel(net)
+    model = kaitian.DistributedDataParallel(net, broadcast_buffers=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
     balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[schedule], every=args.every,
