@@ -12,7 +12,9 @@ instead: rank 1 is benched for the exchange it adds, and called back to train
 beside rank 0 (their rounds must then stay in step, every ``--every`` steps). With
 ``--model-delay1 S`` rank 1's model itself takes S s a forward (what its probe sees while
 benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mode (a model
-the probe cannot run). Every rank writes the indices it trained per
+the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_buffers=False``,
+so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
+has 1 (a spare whose model differs). Every rank writes the indices it trained per
 (epoch, step), its shares and its final weights.
 """
 
