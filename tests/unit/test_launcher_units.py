@@ -517,3 +517,25 @@ def test_a_stop_signal_swallowed_by_an_except_exception_is_raised_again():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_a_stale_cgroup_its_agent_removes_meanwhile_does_not_stop_a_new_job(tmp_path, monkeypatch):
+    """Two jobs on one machine: a new agent collects the cgroup of one whose agent just exited while
+    that agent still removes it; the directory vanishes between the scan and its listing."""
+    from kaitian.launcher.runtimes import cpu_limits
+
+    gone = tmp_path / "none.999999999"  # no such pid: its agent is gone
+    (gone / "cpu0").mkdir(parents=True)
+    (tmp_path / "none.1").mkdir()  # pid 1 lives: kept
+    monkeypatch.setattr(cpu_limits, "cgroup_root", lambda: str(tmp_path))
+    real_listdir = os.listdir
+
+    def listdir(path):
+        if path == str(gone):  # its own agent's shutdown wins the race
+            (gone / "cpu0").rmdir()
+            gone.rmdir()
+        return real_listdir(path)
+
+    monkeypatch.setattr(cpu_limits.os, "listdir", listdir)
+    assert cpu_limits.collect_stale_cgroups() == []
+    assert sorted(real_listdir(tmp_path)) == ["none.1"]

@@ -168,7 +168,11 @@ def collect_stale_cgroups() -> List[str]:
             continue
         if os.path.exists(f"/proc/{m.group(1)}"):
             continue
-        for group in os.listdir(path):
+        try:
+            groups = os.listdir(path)
+        except FileNotFoundError:  # its agent, which exited just now, removed it meanwhile
+            continue
+        for group in groups:
             if os.path.isdir(os.path.join(path, group)):
                 _empty_and_remove(os.path.join(path, group))
         if _empty_and_remove(path):
