@@ -51,6 +51,15 @@ of its turn, and its share of the ideal the median over the higher of its
 turn's solo and plain local epochs: a virtual machine's speed drifts by
 10-20 % within seconds, more than the difference the goal is about, and
 epochs run back to back see the same.
+
+Every mode's model on a rank trains the same parameter tensors (each mode its
+own module, DDP and optimizer around them): where a weight is about as large as
+a core's cache (here 4 MB, as the 1024 x 1024 layer), the memory a model's
+weights happen to get makes it faster or slower for the whole run. Six copies
+of the plain local model, trained in turn on one core of this 2-core VM, kept
+medians 4-8 % apart for a whole run; sharing the weights brought that to 2-3 %,
+the machine's noise. Separate copies would hand that to whichever mode got the
+better memory.
 """
 
 from __future__ import annotations
@@ -158,13 +167,20 @@ def _worker(args: argparse.Namespace) -> int:
     labels = torch.randint(0, 10, (n,), generator=g).to(device)
     dataset = list(range(n))
 
+    weights: List[torch.Tensor] = []  # every mode's model trains these (see the module's docstring)
+
     def make_net():
         kaitian.manual_seed(0)
-        return torch.nn.Sequential(
+        net = torch.nn.Sequential(
             torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(),
             torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
             torch.nn.Linear(args.hidden, 10),
         ).to(device)
+        if not weights:
+            weights.extend(p.data for p in net.parameters())
+        for p, w in zip(net.parameters(), weights):
+            p.data = w
+        return net
 
     def gather(value: float) -> List[float]:
         return [row[0] for row in gather_per_rank([value], device=device)]
