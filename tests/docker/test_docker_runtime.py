@@ -147,7 +147,9 @@ def test_one_container_per_group_with_exact_access_env_and_logs(run, tmp_path):
         _assert_hardened(c, image_mounts=engine().images.get(TEST_IMAGE).labels["org.kaitian.host-mounts"])
         # the run and log directories are inside the working directory: one mount
         assert _own_mounts(c) == [str(tmp_path)]
-    assert containers["cpu1"].attrs["HostConfig"]["CpuQuota"] == 50_000
+    # half a core in the local runtime's 10 ms periods: as uniformly slow as a local worker
+    assert containers["cpu1"].attrs["HostConfig"]["CpuQuota"] == 5_000
+    assert containers["cpu1"].attrs["HostConfig"]["CpuPeriod"] == 10_000
     assert containers["cpu0"].attrs["HostConfig"]["CpuQuota"] == 0
 
     own_ns = {k: os.readlink(f"/proc/self/ns/{k}") for k in ("net", "ipc", "mnt")}

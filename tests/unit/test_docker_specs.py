@@ -116,7 +116,8 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     container = _container(workers, cpu_quota=1.5)
     kw = container.create_kwargs()
     assert kw["cpuset_cpus"] == "0-3"
-    assert kw["cpu_quota"] == 150_000 and kw["cpu_period"] == 100_000
+    # the local runtime's period: a quota'd container is as uniformly slow as a quota'd local worker
+    assert kw["cpu_quota"] == 15_000 and kw["cpu_period"] == 10_000
     assert kw["network_mode"] == "host" and kw["ipc_mode"] == "host"
     assert kw["privileged"] is False and kw["init"] is True
     assert kw["command"] == list(MAIN_TIED)  # lives as long as the agent's stdin attach

@@ -40,7 +40,8 @@ def _job(workers, entrypoint, args, envs, log_dir=None):
 OTHER = {
     "image": "other:img", "vendor": "cuda", "mounts": (Mount("/x", "/x"),), "user": "5:5",
     "devices": ContainerDevices(device_nodes=("/dev/x:/dev/x:rwm",)), "capabilities": ("DAC_OVERRIDE",),
-    "tied": False, "cpuset": "7", "cpu_quota": 2.0, "cgroup_parent": "/agent", "shm_size": "1g",
+    "tied": False, "cpuset": "7", "cpu_quota": 2.0, "cpu_period_us": 100_000, "cgroup_parent": "/agent",
+    "shm_size": "1g",
 }
 
 

@@ -22,6 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 from kaitian.errors import QuotaUnavailableError
 
 __all__ = [
+    "CPU_PERIOD_US",
     "pin",
     "CgroupQuota",
     "DutyCycle",
@@ -38,7 +39,7 @@ _CGROUP_CPU = "/sys/fs/cgroup/cpu"
 # A short period makes a quota'd worker uniformly slower (like a slower device)
 # instead of bursty: with 100 ms, a 30-100 ms training step runs at full speed
 # and then freezes, and per-phase timings become meaningless.
-_PERIOD_US = 10_000
+CPU_PERIOD_US = 10_000
 
 
 def pin(pid: int, cpus: Sequence[int]) -> None:
@@ -136,8 +137,8 @@ class CgroupQuota:
         """Creates (or updates) the group's cgroup with ``cores`` of CPU time."""
         path = os.path.join(self.path, re.sub(r"[^A-Za-z0-9_.-]", "_", group))
         os.makedirs(path, exist_ok=True)
-        _write(os.path.join(path, "cpu.cfs_period_us"), _PERIOD_US)
-        _write(os.path.join(path, "cpu.cfs_quota_us"), max(1000, int(cores * _PERIOD_US)))
+        _write(os.path.join(path, "cpu.cfs_period_us"), CPU_PERIOD_US)
+        _write(os.path.join(path, "cpu.cfs_quota_us"), max(1000, int(cores * CPU_PERIOD_US)))
         self._groups[group] = path
 
     def add(self, group: str, pid: int) -> None:

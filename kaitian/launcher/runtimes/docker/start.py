@@ -23,6 +23,7 @@ from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
 from kaitian.errors import DockerOptionError
 from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, WorkerStart
+from kaitian.launcher.runtimes.cpu_limits import CPU_PERIOD_US
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
 from kaitian.settings import Settings
 
@@ -71,7 +72,6 @@ HOST_ONLY_ENV = frozenset({
     "PYTHONHOME", "PYTHONEXECUTABLE", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "CONDA_EXE",
     "CONDA_PYTHON_EXE", "CONDA_SHLVL", "PYENV_VERSION", "PYENV_DIR", "PYENV_ROOT", "PYENV_HOOK_PATH", "PYENV_SHELL",
 })
-CPU_PERIOD_US = 100_000
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 
 
@@ -116,6 +116,7 @@ class ContainerSpec:
     tied: bool = True  # lives as long as its agent
     cpuset: Optional[str] = None
     cpu_quota: Optional[float] = None  # in cores
+    cpu_period_us: int = CPU_PERIOD_US  # the local runtime's: as uniformly slow as a local worker
     cgroup_parent: Optional[str] = None  # the agent's own where allowed: workers compete as local ones
     shm_size: str = "2g"
 
@@ -173,8 +174,8 @@ class ContainerSpec:
         if self.cgroup_parent:
             kwargs["cgroup_parent"] = self.cgroup_parent
         if self.cpu_quota is not None:
-            kwargs["cpu_period"] = CPU_PERIOD_US
-            kwargs["cpu_quota"] = max(1000, int(round(self.cpu_quota * CPU_PERIOD_US)))
+            kwargs["cpu_period"] = self.cpu_period_us
+            kwargs["cpu_quota"] = max(1000, int(round(self.cpu_quota * self.cpu_period_us)))
         return kwargs
 
 
