@@ -79,6 +79,10 @@ def parse_cpu_quota(raw: Optional[str]) -> Optional[List[float]]:
         values = []
     if not values or any(not v > 0 for v in values):
         raise NodeWorkersError(f"--cpu-quota {raw!r}: give cores of CPU time per CPU group, e.g. 0.5,1.5")
+    from kaitian.launcher.runtimes.cpu_limits import MIN_CPU_QUOTA  # (the runtimes package imports this module)
+
+    if min(values) < MIN_CPU_QUOTA:
+        raise NodeWorkersError(f"--cpu-quota {raw!r}: the smallest quota is {MIN_CPU_QUOTA:g} cores")
     return values
 
 

@@ -489,6 +489,7 @@ def test_cpu_quota_throttles(tmp_path, mode):
     if mode == "cgroup":
         assert slow["cgroup"].endswith(f".{proc.pid}/cpu0") and fast["cgroup"].endswith(f".{proc.pid}/cpu1")
         assert slow["quota_us"] == 1000 and fast["quota_us"] == 40000
+        assert slow["period_us"] == fast["period_us"] == 10000
         assert slow["nr_throttled"] >= 20, slow
     else:
         assert "cgroup" not in slow

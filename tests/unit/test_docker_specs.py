@@ -118,6 +118,8 @@ def test_cpu_group_container_pins_cpuset_and_quota_never_privileged():
     assert kw["cpuset_cpus"] == "0-3"
     # the local runtime's period: a quota'd container is as uniformly slow as a quota'd local worker
     assert kw["cpu_quota"] == 15_000 and kw["cpu_period"] == 10_000
+    small = _container(workers, cpu_quota=0.05).create_kwargs()
+    assert (small["cpu_period"], small["cpu_quota"]) == (20_000, 1_000)  # exact below 0.1 core too
     assert kw["network_mode"] == "host" and kw["ipc_mode"] == "host"
     assert kw["privileged"] is False and kw["init"] is True
     assert kw["command"] == list(MAIN_TIED)  # lives as long as the agent's stdin attach

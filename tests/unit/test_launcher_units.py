@@ -390,6 +390,26 @@ def test_quota_mode_without_cgroups(tmp_path, monkeypatch):
         cpu_limits.quota_mode("cgroup")
 
 
+def test_a_cgroup_quota_is_exact_below_a_tenth_of_a_core(tmp_path, monkeypatch):
+    """10 ms periods, longer only where the quota would fall below the kernel's 1 ms: --cpu-quota 1,0.05
+    (kaitian bench hetero --gap 20) gives the slow group 0.05 cores, not the 0.1 a 1 ms floor would."""
+    from kaitian.launcher.runtimes import cpu_limits
+
+    for cores in (4, 1, 0.3, 0.1, 0.05, 0.0333, 0.001):
+        period, quota = cpu_limits.cfs_limits(cores)
+        assert period >= cpu_limits.CPU_PERIOD_US and quota >= 1000
+        assert quota / period == pytest.approx(cores, rel=1e-3)
+    assert cpu_limits.cfs_limits(0.3) == (10_000, 3_000) and cpu_limits.cfs_limits(0.05) == (20_000, 1_000)
+    assert cpu_limits.cfs_limits(0.05, 100_000) == (100_000, 5_000)
+    monkeypatch.setattr(cpu_limits, "cgroup_root", lambda: str(tmp_path))
+    cpu_limits.CgroupQuota("run.1").set_quota("cpu1", 0.05)
+    written = {name: (tmp_path / "run.1" / "cpu1" / f"cpu.cfs_{name}_us").read_text() for name in ("period", "quota")}
+    assert written == {"period": "20000", "quota": "1000"}
+    assert parse_cpu_quota("1,0.05") == [1.0, 0.05]
+    with pytest.raises(NodeWorkersError, match="the smallest quota is 0.001 cores"):
+        parse_cpu_quota("1,0.0005")
+
+
 def test_signal_quota_holds_its_fraction_when_the_throttling_thread_wakes_up_late(monkeypatch):
     """--cpu-quota in signal mode: every wait of the duty cycle ends 3 ms late (the
     agent's thread on a busy machine); the worker still runs 10 % of the time, not

@@ -2,7 +2,7 @@
 
 Recorded: the CPU time it got, how often its loop was held up for more than
 10 ms (a SIGSTOP duty cycle shows as many such gaps), and, when it runs in a
-cgroup-v1 cpu cgroup, that cgroup's quota and throttling counter.
+cgroup-v1 cpu cgroup, that cgroup's quota, period and throttling counter.
 """
 import json
 import os
@@ -27,6 +27,7 @@ with open("/proc/self/cgroup") as f:
             base = "/sys/fs/cgroup/cpu" + path
             result["cgroup"] = path
             result["quota_us"] = int(open(base + "/cpu.cfs_quota_us").read())
+            result["period_us"] = int(open(base + "/cpu.cfs_period_us").read())
             stat = dict(line.split() for line in open(base + "/cpu.stat"))
             result["nr_throttled"] = int(stat["nr_throttled"])
 with open(os.path.join(out, f"cpu.{os.environ['RANK']}.json"), "w") as f:

@@ -13,16 +13,19 @@ gets a share of CPU time. Two ways to enforce it:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from kaitian.errors import QuotaUnavailableError
 
 __all__ = [
     "CPU_PERIOD_US",
+    "MIN_CPU_QUOTA",
+    "cfs_limits",
     "pin",
     "CgroupQuota",
     "DutyCycle",
@@ -40,6 +43,17 @@ _CGROUP_CPU = "/sys/fs/cgroup/cpu"
 # instead of bursty: with 100 ms, a 30-100 ms training step runs at full speed
 # and then freezes, and per-phase timings become meaningless.
 CPU_PERIOD_US = 10_000
+_MIN_QUOTA_US, _MAX_PERIOD_US = 1_000, 1_000_000  # the kernel's (and the Docker engine's) bounds
+MIN_CPU_QUOTA = _MIN_QUOTA_US / _MAX_PERIOD_US  # cores
+
+
+def cfs_limits(cores: float, period_us: int = CPU_PERIOD_US) -> Tuple[int, int]:
+    """``(period, quota)`` in microseconds giving exactly ``cores`` of CPU time: ``period_us``, longer
+    only where the quota would fall below the kernel's smallest (1 ms: under 0.1 core in 10 ms)."""
+    if not MIN_CPU_QUOTA <= cores:
+        raise ValueError(f"a CPU quota of {cores:g} cores is below the smallest, {MIN_CPU_QUOTA:g}")
+    period = min(_MAX_PERIOD_US, max(period_us, math.ceil(_MIN_QUOTA_US / cores)))
+    return period, max(_MIN_QUOTA_US, round(cores * period))
 
 
 def pin(pid: int, cpus: Sequence[int]) -> None:
@@ -137,8 +151,9 @@ class CgroupQuota:
         """Creates (or updates) the group's cgroup with ``cores`` of CPU time."""
         path = os.path.join(self.path, re.sub(r"[^A-Za-z0-9_.-]", "_", group))
         os.makedirs(path, exist_ok=True)
-        _write(os.path.join(path, "cpu.cfs_period_us"), CPU_PERIOD_US)
-        _write(os.path.join(path, "cpu.cfs_quota_us"), max(1000, int(cores * CPU_PERIOD_US)))
+        period, quota = cfs_limits(cores)
+        _write(os.path.join(path, "cpu.cfs_period_us"), period)
+        _write(os.path.join(path, "cpu.cfs_quota_us"), quota)
         self._groups[group] = path
 
     def add(self, group: str, pid: int) -> None:

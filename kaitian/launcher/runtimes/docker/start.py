@@ -23,7 +23,7 @@ from kaitian.devices.vendors import VENDORS, vendor as vendor_entry
 from kaitian.errors import DockerOptionError
 from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, WorkerStart
-from kaitian.launcher.runtimes.cpu_limits import CPU_PERIOD_US
+from kaitian.launcher.runtimes.cpu_limits import CPU_PERIOD_US, cfs_limits
 from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
 from kaitian.settings import Settings
 
@@ -174,8 +174,7 @@ class ContainerSpec:
         if self.cgroup_parent:
             kwargs["cgroup_parent"] = self.cgroup_parent
         if self.cpu_quota is not None:
-            kwargs["cpu_period"] = self.cpu_period_us
-            kwargs["cpu_quota"] = max(1000, int(round(self.cpu_quota * self.cpu_period_us)))
+            kwargs["cpu_period"], kwargs["cpu_quota"] = cfs_limits(self.cpu_quota, self.cpu_period_us)
         return kwargs
 
 
