@@ -60,12 +60,20 @@ def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_ex
     device when rank 0 is benched in turn (the fake accelerator punishes a missing stream wait)."""
     if "mlu" in devices:
         pytest.importorskip("kaitian.testing._fake_accelerator", reason="the fake accelerator needs torch 2.13+")
-    r0, r1, log0 = _run_bench_spare(Layout("1+1", devices=devices))
-    assert [r0["device"], r1["device"]] == list(devices)
-    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=7)
-    for r in (r0, r1):  # the spare's copy too: it received the state at each epoch's end
-        assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
-        assert abs(r["lr"] - lr) < 1e-15
+    for attempt in (1, 2):
+        r0, r1, log0 = _run_bench_spare(Layout("1+1", devices=devices))
+        assert [r0["device"], r1["device"]] == list(devices)
+        weights, lr = _replay([r0["trained"], r1["trained"]], epochs=7)
+        for r in (r0, r1):  # the spare's copy too: it received the state at each epoch's end
+            assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
+            assert abs(r["lr"] - lr) < 1e-15
+        # The premise: rank 0 measures faster than rank 1's 50 ms a step until epoch 2. With every core of a
+        # CI machine busy, the fake MLU's first steps once measured 400 ms, and the re-balancer rightly gave
+        # rank 1 the work: such a run shows nothing about benching rank 1, so it runs once more.
+        inverted = [d for d in r0["history"] if d[1] < 2 and d[3][0] < d[3][1]]
+        if not inverted:
+            break
+    assert not inverted, f"rank 0 measured slower than rank 1 in both runs: {inverted}"
     epochs_of = lambda r: {epoch for epoch, _, _ in r["trained"]}  # noqa: E731
     # rank 1 (50 ms a step) is benched for a whole epoch soon, and trains again at the end, once
     # rank 0 costs 300 ms a step (from epoch 2)
