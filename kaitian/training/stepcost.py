@@ -120,7 +120,7 @@ class StepCostFit:
 
     @property
     def varied(self) -> bool:
-        """Whether the batch sizes seen differ enough that a fit may tell the fixed part from the per-sample one."""
+        """Whether the batch sizes seen differ enough to tell the fixed part from the per-sample one."""
         if len(self.points) < 2:
             return False
         sizes = [n for n, _ in self.points]
@@ -149,7 +149,7 @@ class StepCostFit:
         mean_t = sum(wi * y for wi, y in zip(w, t)) / total
         proportional = StepCost(0.0, mean_t / mean_n)
         var = sum(wi * (x - mean_n) ** 2 for wi, x in zip(w, n))
-        if not self.varied or var <= 1e-12 * total * mean_n ** 2:  # alike, or the recent steps, which weigh, are
+        if not self.varied or var <= 1e-12 * total * mean_n ** 2:  # (the recent steps, which weigh, are alike)
             return proportional, False
         slope = sum(wi * (x - mean_n) * (y - mean_t) for wi, x, y in zip(w, n, t)) / var
         scatter = sum(wi * (y - mean_t - slope * (x - mean_n)) ** 2 for wi, x, y in zip(w, n, t)) / total
