@@ -37,8 +37,6 @@ __all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split
 
 # Batch sizes whose spread (relative to their mean) is below this cannot tell a from b.
 ALIKE = 0.05
-# A fit whose slope's standard error exceeds this fraction of the time per sample cannot tell a from b.
-_RESOLVED = 0.1
 # Steps a fit needs before a step far off it counts as a change of regime ...
 _SETTLED = 4
 # ... and steps in a row far off it that start a new fit.
@@ -79,7 +77,7 @@ class StepCostFit:
         self.points: Deque[Tuple[int, float]] = deque(maxlen=window)
         self.half_life = half_life
         self._surprises = 0  # steps in a row far off the fit
-        self._reference: Optional[Tuple[StepCost, bool, float]] = None  # (fit, resolved, mean size)
+        self._reference: Optional[Tuple[StepCost, bool, float]] = None  # (fit, varied, mean size)
         self._reference_age = 0
 
     def add(self, samples: int, seconds: float) -> None:
@@ -101,14 +99,13 @@ class StepCostFit:
 
     def _expected(self, samples: int) -> Tuple[float, float]:
         """The range a step of ``samples`` should take: the fit's prediction; from alike batch
-        sizes or a slope lost in the noise (fixed and per-sample parts unknown) anything from
-        all-fixed to all-per-sample."""
+        sizes (fixed and per-sample parts unknown) anything from all-fixed to all-per-sample."""
         if self._reference is None or self._reference_age >= _REFIT_EVERY:
             mean_n = sum(n for n, _ in self.points) / len(self.points)
-            self._reference, self._reference_age = (*self._solve(), mean_n), 0
+            self._reference, self._reference_age = (self.cost(), self.varied, mean_n), 0
         self._reference_age += 1
-        cost, resolved, mean_n = self._reference
-        if resolved:
+        cost, varied, mean_n = self._reference
+        if varied:
             return cost.at(samples), cost.at(samples)
         per_sample, fixed = cost.at(samples), cost.at(samples) * mean_n / samples
         return min(per_sample, fixed), max(per_sample, fixed)
@@ -128,37 +125,26 @@ class StepCostFit:
         return (max(sizes) - min(sizes)) / mean >= ALIKE
 
     def cost(self) -> StepCost:
-        """The weighted least-squares fit; where it cannot tell the fixed part from the per-sample one,
-        all of the time is taken as per sample (``a = 0``), the cautious reading: it never benches a
-        rank for a fixed cost it has not seen."""
-        return self._solve()[0]
-
-    def _solve(self) -> Tuple[StepCost, bool]:
-        """The fit, and whether it told the two parts apart: the batch sizes differ (:attr:`varied`)
-        and the steps' scatter leaves the slope's standard error within ``_RESOLVED`` of the time
-        per sample. Sizes 6 % apart under 4 % noise leave it at about 30 %: read as a line, such
-        a fit once put half a second of fixed cost on a rank that had none, and the split moved
-        a tenth of its samples the wrong way."""
+        """The weighted least-squares fit; with alike batch sizes all of the time is taken as per
+        sample (``a = 0``), the cautious reading: it never benches a rank for a fixed cost it has not seen."""
         if not self.points:
-            return StepCost(0.0, 0.0), False
+            return StepCost(0.0, 0.0)
         n = [float(p[0]) for p in self.points]
         t = [p[1] for p in self.points]
         w = [0.5 ** ((len(n) - 1 - i) / self.half_life) for i in range(len(n))]
         total = sum(w)
         mean_n = sum(wi * x for wi, x in zip(w, n)) / total
         mean_t = sum(wi * y for wi, y in zip(w, t)) / total
-        proportional = StepCost(0.0, mean_t / mean_n)
+        if not self.varied:
+            return StepCost(0.0, mean_t / mean_n)
         var = sum(wi * (x - mean_n) ** 2 for wi, x in zip(w, n))
-        if not self.varied or var <= 1e-12 * total * mean_n ** 2:  # (the recent steps, which weigh, are alike)
-            return proportional, False
+        proportional = mean_t / mean_n
+        if var <= 1e-12 * total * mean_n ** 2:  # the recent steps, which weigh, are alike
+            return StepCost(0.0, proportional)
         slope = sum(wi * (x - mean_n) * (y - mean_t) for wi, x, y in zip(w, n, t)) / var
-        scatter = sum(wi * (y - mean_t - slope * (x - mean_n)) ** 2 for wi, x, y in zip(w, n, t)) / total
-        error = math.sqrt(scatter * sum(wi * wi * (x - mean_n) ** 2 for wi, x in zip(w, n))) / var
-        if error > _RESOLVED * proportional.per_sample_s:
-            return proportional, False
         # Noise can make either part negative; keep both physical and the fit's mean.
-        slope = min(max(slope, 0.02 * proportional.per_sample_s), proportional.per_sample_s)
-        return StepCost(mean_t - slope * mean_n, slope), True
+        slope = min(max(slope, 0.02 * proportional), proportional)
+        return StepCost(mean_t - slope * mean_n, slope)
 
 
 @dataclass(frozen=True)

@@ -60,20 +60,6 @@ def test_alike_batches_are_read_as_all_per_sample_and_noise_keeps_both_parts_phy
     assert cost.at(40) > 0  # positive where it was measured
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_a_slope_lost_in_the_noise_is_read_as_all_per_sample(seed):
-    """Batch sizes 6 % apart under 4 % noise (a 3:1 split settling, kaitian bench hetero): least
-    squares gives any slope from none to all of the time, and once read half a second of fixed
-    cost into a rank that had none. The fit must predict sizes beyond those seen as the rank runs."""
-    rng = random.Random(seed)
-    fit = StepCostFit()
-    for n in [881] * 12 + [901] * 12 + [919] * 12 + [934] * 12:
-        fit.add(n, 0.00064 * n * (1 + rng.gauss(0, 0.04)))
-    assert fit.varied
-    for n in (700, 1100):
-        assert fit.cost().at(n) == pytest.approx(0.00064 * n, rel=0.03)
-
-
 def _brute_force(total, costs, exchange, minimum=1, groups=None, within=None):
     """The best predicted step over every split of ``total`` (tiny cases)."""
     best = None
