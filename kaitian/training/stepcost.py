@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -35,12 +36,19 @@ from kaitian.errors import SplitError
 
 __all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split", "predicted_step", "exchange_of"]
 
-# Batch sizes whose spread (relative to their mean) is below this cannot tell a from b.
-ALIKE = 0.05
+# Batch sizes whose spread (relative to their mean) is below ALIKE cannot tell a from b; from
+# SEPARATED on they tell it as well as the machine's drift lets them, and in between the fixed part
+# counts in proportion. Two sizes a spread s apart whose times drift by e between them leave a
+# off by about 2e/s of the step: 5 % of drift (this machine, epoch to epoch) read 0.19 s of a
+# 0.62 s step as fixed from sizes 11 % apart, and the split moved 46 % the wrong way.
+ALIKE, SEPARATED = 0.05, 0.5
 # Steps a fit needs before a step far off it counts as a change of regime ...
 _SETTLED = 4
 # ... and steps in a row far off it that start a new fit.
 _NEW_REGIME = 3
+# Steps in a row at one batch size that set the fit's level there, and the most recent of them
+# that count (see StepCostFit.cost).
+_ANCHOR, _ANCHOR_MAX = 3, 12
 # Steps judged against one fit before it is made again: a step's check then costs a comparison,
 # not a least-squares pass over the window, on the step's own critical path.
 _REFIT_EVERY = 8
@@ -116,17 +124,38 @@ class StepCostFit:
         self._reference = None
 
     @property
+    def spread(self) -> float:
+        """How far apart the batch sizes seen are, relative to their mean."""
+        if not self.points:
+            return 0.0
+        sizes = [n for n, _ in self.points]
+        return (max(sizes) - min(sizes)) * len(sizes) / sum(sizes)
+
+    @property
     def varied(self) -> bool:
         """Whether the batch sizes seen differ enough to tell the fixed part from the per-sample one."""
-        if len(self.points) < 2:
-            return False
-        sizes = [n for n, _ in self.points]
-        mean = sum(sizes) / len(sizes)
-        return (max(sizes) - min(sizes)) / mean >= ALIKE
+        return self.spread >= ALIKE
 
     def cost(self) -> StepCost:
-        """The weighted least-squares fit; with alike batch sizes all of the time is taken as per
-        sample (``a = 0``), the cautious reading: it never benches a rank for a fixed cost it has not seen."""
+        """The weighted least-squares fit, its fixed part as far as the sizes' spread tells it
+        (with alike sizes all of the time is per sample, ``a = 0``: the cautious reading never
+        benches a rank for a fixed cost it has not seen), scaled so that it predicts the steps at
+        the current batch size (the last ``_ANCHOR`` or more in a row) as measured.
+
+        The scaling matters after the split moves: the points from the sizes left behind weigh by
+        their size and their number, so a machine that warmed up since, or a cost per sample that
+        depends on the size (a batch that no longer fits a cache), kept the fit off where the rank
+        now trains for as long as they stayed in the window."""
+        fit = self._least_squares()
+        run = list(itertools.takewhile(lambda p: p[0] == self.points[-1][0], reversed(self.points)))
+        if len(run) < _ANCHOR or not fit.known:
+            return fit
+        # the median: one epoch of a rank slowed by a busy machine does not move the split
+        measured = statistics.median(t for _, t in run[:_ANCHOR_MAX])
+        scale = measured / fit.at(run[0][0])
+        return StepCost(fit.fixed_s * scale, fit.per_sample_s * scale)
+
+    def _least_squares(self) -> StepCost:
         if not self.points:
             return StepCost(0.0, 0.0)
         n = [float(p[0]) for p in self.points]
@@ -144,7 +173,8 @@ class StepCostFit:
         slope = sum(wi * (x - mean_n) * (y - mean_t) for wi, x, y in zip(w, n, t)) / var
         # Noise can make either part negative; keep both physical and the fit's mean.
         slope = min(max(slope, 0.02 * proportional), proportional)
-        return StepCost(mean_t - slope * mean_n, slope)
+        fixed = (mean_t - slope * mean_n) * min(1.0, (self.spread - ALIKE) / (SEPARATED - ALIKE))
+        return StepCost(fixed, (mean_t - fixed) / mean_n)
 
 
 @dataclass(frozen=True)

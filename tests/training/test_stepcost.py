@@ -38,6 +38,53 @@ def test_a_device_several_times_slower_is_a_new_regime_not_a_fixed_cost():
     assert len(steady.points) == 30
 
 
+def test_after_a_move_the_fit_predicts_the_new_size_as_measured():
+    """The 3:1 bench's slow rank: 2048 samples a step at 0.95 ms each while the machine was cold,
+    then 689 at 0.76 ms. The old points weigh by their size: plain least squares predicted 0.66 s
+    at 689 for the next 16 rounds while its steps took 0.52 s, and the split stayed 15 % off."""
+    fit = StepCostFit()
+    for _ in range(3):
+        fit.add(2048, 2048 * 0.00095)
+    for _ in range(3):
+        fit.add(689, 689 * 0.00076)
+    assert fit.cost().at(689) == pytest.approx(689 * 0.00076, rel=1e-9)
+    assert fit.cost().fixed_s == 0.0  # the cautious reading holds: no fixed cost from faster later steps
+    affine = StepCostFit()  # a real fixed cost is still read; the level follows the recent steps
+    for n in [64] * 10 + [12] * 10:
+        affine.add(n, 0.030 + 0.002 * n)
+    for _ in range(5):
+        affine.add(116, 1.1 * (0.030 + 0.002 * 116))
+    cost = affine.cost()
+    assert cost.at(116) == pytest.approx(1.1 * 0.262, rel=1e-6)
+    assert 0.02 < cost.fixed_s < 0.04
+    busy = StepCostFit()  # one slow epoch of a busy machine (3 of 9 steps) does not set the level
+    for t in [0.5] * 6 + [0.8] * 3:
+        busy.add(800, t)
+    assert busy.cost().at(800) == pytest.approx(0.5)
+    short = StepCostFit()  # fewer steps in a row at the size than set the level: the fit alone
+    for n in [64, 12] * 5 + [116, 116]:
+        short.add(n, 0.030 + 0.002 * n + (0.01 if n == 116 else 0.0))
+    assert short.cost().at(116) < 0.030 + 0.002 * 116 + 0.01
+
+
+def test_sizes_close_together_under_drift_read_little_fixed_cost():
+    """The 3:1 bench's slow rank moved from 867 to 965 samples while the machine got 7 % faster:
+    least squares read 0.42 s of its 0.62 s step as fixed, and predicted 1407 samples (a 46 %
+    move) in 0.70 s instead of about 0.9 s; the split moved there and its peer waited 0.5 s a
+    step. Sizes 11 % apart are trusted for an eighth of their fixed part."""
+    fit = StepCostFit()
+    for _ in range(12):
+        fit.add(867, 0.60)
+    for _ in range(3):
+        fit.add(965, 0.62)
+    assert fit.cost().at(1407) > 0.95 * 0.62 * 1407 / 965
+    assert fit.cost().at(965) == pytest.approx(0.62)
+    far = StepCostFit()  # sizes far apart: the fixed part is read whole
+    for n in [16, 32] * 8:
+        far.add(n, 0.050 + 0.0001 * n)
+    assert far.cost().fixed_s == pytest.approx(0.050)
+
+
 def test_the_fit_separates_the_fixed_cost_from_the_per_sample_cost():
     fit = StepCostFit()
     rng = random.Random(0)
