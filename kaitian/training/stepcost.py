@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -150,8 +149,10 @@ class StepCostFit:
         run = list(itertools.takewhile(lambda p: p[0] == self.points[-1][0], reversed(self.points)))
         if len(run) < _ANCHOR or not fit.known:
             return fit
-        # the median: one epoch of a rank slowed by a busy machine does not move the split
-        measured = statistics.median(t for _, t in run[:_ANCHOR_MAX])
+        # the mean, as the step times the exchange's cost is measured against (c(S)): a rank's
+        # throughput, and the lock-step's, are its steps' mean
+        recent = [t for _, t in run[:_ANCHOR_MAX]]
+        measured = sum(recent) / len(recent)
         scale = measured / fit.at(run[0][0])
         return StepCost(fit.fixed_s * scale, fit.per_sample_s * scale)
 

@@ -57,10 +57,10 @@ def test_after_a_move_the_fit_predicts_the_new_size_as_measured():
     cost = affine.cost()
     assert cost.at(116) == pytest.approx(1.1 * 0.262, rel=1e-6)
     assert 0.02 < cost.fixed_s < 0.04
-    busy = StepCostFit()  # one slow epoch of a busy machine (3 of 9 steps) does not set the level
-    for t in [0.5] * 6 + [0.8] * 3:
-        busy.add(800, t)
-    assert busy.cost().at(800) == pytest.approx(0.5)
+    recent = StepCostFit()  # the level: the mean of the last 12 steps at the size
+    for t in [0.5] * 20 + [0.8] * 3 + [0.5] * 9:
+        recent.add(800, t)
+    assert recent.cost().at(800) == pytest.approx(0.575)
     short = StepCostFit()  # fewer steps in a row at the size than set the level: the fit alone
     for n in [64, 12] * 5 + [116, 116]:
         short.add(n, 0.030 + 0.002 * n + (0.01 if n == 116 else 0.0))
