@@ -68,10 +68,11 @@ def test_after_a_move_the_fit_predicts_the_new_size_as_measured():
 
 
 def test_sizes_close_together_under_drift_read_little_fixed_cost():
-    """The 3:1 bench's slow rank moved from 867 to 965 samples while the machine got 7 % faster:
-    least squares read 0.42 s of its 0.62 s step as fixed, and predicted 1407 samples (a 46 %
-    move) in 0.70 s instead of about 0.9 s; the split moved there and its peer waited 0.5 s a
-    step. Sizes 11 % apart are trusted for an eighth of their fixed part."""
+    """The 3:1 bench's slow rank moved from 867 to 965 samples while the machine got faster: its
+    fit read 0.19 s of a 0.62 s step as fixed and predicted 0.84 s for 1407 samples (a 46 % move),
+    which took 1.0-1.14 s; its peer waited 0.5 s a step. Here 7 % of drift alone: plain least
+    squares reads 0.42 s as fixed and predicts 0.71 s for 1407. Sizes 11 % apart are now trusted
+    for an eighth of their fixed part."""
     fit = StepCostFit()
     for _ in range(12):
         fit.add(867, 0.60)
