@@ -146,14 +146,14 @@ class StepCostFit:
         depends on the size (a batch that no longer fits a cache), kept the fit off where the rank
         now trains for as long as they stayed in the window."""
         fit = self._least_squares()
-        run = list(itertools.takewhile(lambda p: p[0] == self.points[-1][0], reversed(self.points)))
-        if len(run) < _ANCHOR or not fit.known:
+        size = self.points[-1][0] if self.points else 0
+        recent = [t for _, t in itertools.islice(
+            itertools.takewhile(lambda p: p[0] == size, reversed(self.points)), _ANCHOR_MAX)]
+        if len(recent) < _ANCHOR or not fit.known:
             return fit
         # the mean, as the step times the exchange's cost is measured against (c(S)): a rank's
         # throughput, and the lock-step's, are its steps' mean
-        recent = [t for _, t in run[:_ANCHOR_MAX]]
-        measured = sum(recent) / len(recent)
-        scale = measured / fit.at(run[0][0])
+        scale = sum(recent) / len(recent) / fit.at(size)
         return StepCost(fit.fixed_s * scale, fit.per_sample_s * scale)
 
     def _least_squares(self) -> StepCost:
@@ -165,16 +165,15 @@ class StepCostFit:
         total = sum(w)
         mean_n = sum(wi * x for wi, x in zip(w, n)) / total
         mean_t = sum(wi * y for wi, y in zip(w, t)) / total
-        if not self.varied:
-            return StepCost(0.0, mean_t / mean_n)
-        var = sum(wi * (x - mean_n) ** 2 for wi, x in zip(w, n))
         proportional = mean_t / mean_n
-        if var <= 1e-12 * total * mean_n ** 2:  # the recent steps, which weigh, are alike
+        var = sum(wi * (x - mean_n) ** 2 for wi, x in zip(w, n))
+        spread = self.spread
+        if spread < ALIKE or var <= 1e-12 * total * mean_n ** 2:  # alike, or the recent steps, which weigh, are
             return StepCost(0.0, proportional)
         slope = sum(wi * (x - mean_n) * (y - mean_t) for wi, x, y in zip(w, n, t)) / var
         # Noise can make either part negative; keep both physical and the fit's mean.
         slope = min(max(slope, 0.02 * proportional), proportional)
-        fixed = (mean_t - slope * mean_n) * min(1.0, (self.spread - ALIKE) / (SEPARATED - ALIKE))
+        fixed = (mean_t - slope * mean_n) * min(1.0, (spread - ALIKE) / (SEPARATED - ALIKE))
         return StepCost(fixed, (mean_t - fixed) / mean_n)
 
 
