@@ -576,6 +576,22 @@ std::vector<int64_t> KaitianBackend::stripeWeights() const {
   return stripeWeights_;
 }
 
+void KaitianBackend::watchPeer(int peer, const std::string& what) {
+  TORCH_CHECK(peer >= 0 && peer < size_ && peer != rank_, "kaitian watch_peer: rank ", peer,
+              " is not a peer of rank ", rank_, " in a group of ", size_);
+  if (!bridge_) return;
+  // Outside every op: a deadline that never comes, the group's fail-stop state.
+  const auto dl = Deadline::after(std::chrono::hours(24 * 365), what, &stop_, &fail_);
+  try {
+    dl.check(what);
+    const std::string gone = bridge_->whyGone(peer, dl, what);
+    if (!gone.empty()) dl.breakGroup(gone);
+  } catch (...) {
+    if (fail_.broken()) bridge_->poison(fail_.first());  // the other peers learn it too
+    throw;
+  }
+}
+
 std::pair<int64_t, double> KaitianBackend::reduceRate() const {
   return {meter_.elements.load(), static_cast<double>(meter_.nanos.load()) / 1e9};
 }

@@ -106,6 +106,10 @@ class KaitianBackend : public c10d::Backend {
   bool hasIntra() const { return intraDevice_.defined() || intraCpu_.defined(); }
   // The first failure once the group is broken, else "".
   std::string firstFailure() const { return fail_.broken() ? fail_.first() : ""; }
+  // Raises, breaking the group on every rank, when `peer` is gone (exited or
+  // closed the group) or the group is broken; returns while it lives. For a
+  // rank that waits outside every op for `peer`'s next message (`what`).
+  void watchPeer(int peer, const std::string& what);
   // From the next all_reduce this rank issues on, rank r reduces weights[r] /
   // sum(weights) of every segment (empty: even stripes). Every rank must set
   // the same weights before the same collective: their digest is part of the

@@ -101,6 +101,8 @@ PYBIND11_MODULE(_C, m) {
       // The group's first failure once it is broken, else "" (kaitian.elastic tells a
       // lost peer from a script error by it).
       .def("first_failure", &KaitianBackend::firstFailure)
+      // A benched rank's check on the rank it waits for (kaitian.training.rebalance).
+      .def("watch_peer", &KaitianBackend::watchPeer, py::arg("peer"), py::arg("what"))
       // Stripe weights of the cross-group reduction (kaitian.backend.stripes).
       .def("set_stripe_weights", &KaitianBackend::setStripeWeights, py::arg("weights"))
       .def("stripe_weights", &KaitianBackend::stripeWeights)

@@ -73,6 +73,10 @@ class Bridge {
   // `with` is gone (it exited, or closed the group), or "" while all are
   // there. Never blocks; cheap enough to call every few milliseconds.
   virtual std::string watchPeers(const std::vector<int>& with, const Deadline& dl, const std::string& what) = 0;
+  // Why `peer` is gone (it exited, or closed the group), or "" while it lives;
+  // raises, as the waits do, when it broke the group. For a rank waiting
+  // outside every op (a benched rank between messages): any thread, never blocks.
+  virtual std::string whyGone(int peer, const Deadline& dl, const std::string& what) = 0;
   // Releases OS resources; further calls fail.
   virtual void close() = 0;
 };

@@ -427,6 +427,13 @@ std::string ShmBridge::watchPeers(const std::vector<int>& with, const Deadline& 
   return "";
 }
 
+std::string ShmBridge::whyGone(int peer, const Deadline& dl, const std::string& what) {
+  const uint32_t st = peers_[peer].hdr->state.load(std::memory_order_acquire);
+  if (st == kBroken) dl.peerFailed(failureOf(peer));
+  if (st == kClosed) return peerGoneText(peer, what.c_str());
+  return goneText(peer, what.c_str());
+}
+
 template <typename Ready>
 void ShmBridge::waitUntil(Ready ready, ShmEventWord& ev, int watch, const Deadline& dl,
                           const char* what) {

@@ -48,6 +48,7 @@ class ShmBridge : public Bridge {
   int recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) override;
   void poison(const std::string& firstFailure) override;
   std::string watchPeers(const std::vector<int>& with, const Deadline& dl, const std::string& what) override;
+  std::string whyGone(int peer, const Deadline& dl, const std::string& what) override;
   void close() override;
 
   // Bytes of one rank's segment for this world size and chunk (for docs/bench).

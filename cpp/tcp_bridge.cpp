@@ -434,6 +434,17 @@ std::string TcpBridge::watchPeers(const std::vector<int>& with, const Deadline& 
   return "";
 }
 
+std::string TcpBridge::whyGone(int peer, const Deadline& dl, const std::string& what) {
+  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
+  // Peeked, never read: the receive thread owns the stream (a peer that broke
+  // the group and lives on is seen by the next receive, as its abort frame).
+  const int fd = p2p_[peer];
+  Frame f;
+  const ssize_t k = fd < 0 ? 1 : ::recv(fd, &f, sizeof(f), MSG_PEEK | MSG_DONTWAIT);
+  if (k == 0 || (k < 0 && peerGone())) return peerGoneText(peer, what) + " (its connection closed)";
+  return "";
+}
+
 // An abort frame at the head of fd's incoming stream (peeked, never blocking):
 // the peer's group broke; reads its first failure and raises it.
 void TcpBridge::raiseIfAborted(int peer, int fd, const Deadline& dl) {

@@ -30,6 +30,7 @@ class TcpBridge : public Bridge {
   int recv(int src, void* data, int64_t bytes, int tag, const Deadline& dl) override;
   void poison(const std::string& firstFailure) override;
   std::string watchPeers(const std::vector<int>& with, const Deadline& dl, const std::string& what) override;
+  std::string whyGone(int peer, const Deadline& dl, const std::string& what) override;
   void close() override;
 
  private:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from kaitian import _torch as _te
+from kaitian.backend.stripes import kaitian_backend
 from kaitian.errors import SplitError, TrainingError
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.probe import probe_seconds
@@ -596,7 +597,7 @@ class Rebalancer:
         source = self._source()
         world = self.world
         message = torch.empty(4 * world + 2, dtype=torch.float64)
-        self._await_message()
+        self._await_message(source)
         dist.recv(message, source, group=self.world_group)
         values = message.tolist()
         epoch, new = int(values[0]), [int(n) for n in values[1:world + 1]]
@@ -667,12 +668,20 @@ class Rebalancer:
             torch._foreach_copy_(_views(flat, specs, offsets), [t.detach() for t in tensors])
         return flat, specs
 
-    def _await_message(self) -> None:
-        """A benched rank's wait for its next message, however long (see :meth:`_send`)."""
+    def _await_message(self, source: int) -> None:
+        """A benched rank's wait for its next message from ``source``, however long (see :meth:`_send`).
+        No op is pending meanwhile, so nothing else would notice ``source`` die: on kaitian the wait
+        asks the backend, which breaks the group (naming ``source``) once it is gone."""
         store, key = _te.default_store(), _message_key(dist.get_rank(self.world_group))
+        try:
+            watch = kaitian_backend(self.world_group).watch_peer
+        except ValueError:  # another backend: its own timeout is all there is
+            watch = None
         while int(store.add(key, 0)) <= self._received:
             if self.while_waiting is not None:
                 self.while_waiting()
+            if watch is not None:
+                watch(source, "message to a benched rank")
             self._probe_if_due()
             time.sleep(_SPARE_POLL_S)
         self._received += 1
@@ -759,7 +768,7 @@ class Rebalancer:
         model = self._model_ref()
         group = self.world_group
         header = torch.empty(2, dtype=torch.int64)
-        self._await_message()
+        self._await_message(source)
         dist.recv(header, source, group=group)
         size, total = header.tolist()
         if not 0 < size <= _MAX_SKELETON:

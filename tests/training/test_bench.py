@@ -129,6 +129,25 @@ def test_a_spare_whose_model_the_probe_cannot_run_says_so_once_and_stays_benched
     assert log1.count("cannot probe its own speed while benched (RuntimeError: this model cannot run") == 1, log1
 
 
+# shm tells a closed group from an exited pid; on TCP both close the connection
+@pytest.mark.parametrize("bridge,how", [("shm", "raises"), ("shm", "killed"), ("tcp", "killed")])
+def test_a_spare_whose_trainer_dies_fails_naming_it_instead_of_waiting_forever(bridge, how):
+    """Rank 0 is slow from the start, so it is benched and rank 1 trains alone; in epoch 2 rank 1
+    dies (it raises, or is killed: no exit handler closes its group). Rank 0, a spare waiting for
+    the epoch's end, fails within seconds naming rank 1, instead of waiting for a message that
+    cannot come (rank 0 holds the store, so the store alone cannot tell it)."""
+    layout = Layout("1+1", env=(("KAITIAN_BRIDGE", bridge),))
+    run = run_ranks(layout, [worker("bench_spare"), "--turn", "0", "--die1", "2", "--die-how", how], timeout=90)
+    try:
+        log0 = open(run.logs[0]).read()
+        assert not run.timed_out and run.returncodes[0] != 0 and run.returncodes[1] != 0, tail(run.logs[0])
+        assert "rank 0 benched" in log0 or "rank 0 benched" in open(run.logs[1]).read(), tail(run.logs[1])
+        assert re.search(r"rank 1 (\(pid \d+\) exited|failed or exited)[^;]* while this rank waited for its message "
+                         r"to a benched rank", log0), tail(run.logs[0])
+    finally:
+        cleanup(run)
+
+
 def test_a_spare_whose_model_differs_from_the_trainers_fails_with_one_clear_line():
     """Rank 1's model holds a buffer of 9 values where rank 0's holds 1 (DDP leaves it alone): the
     state rank 0 packs for it does not fit, and the spare says so instead of taking a part of it;

@@ -14,7 +14,8 @@ beside rank 0 (their rounds must then stay in step, every ``--every`` steps). Wi
 benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mode (a model
 the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_buffers=False``,
 so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
-has 1 (a spare whose model differs). Every rank writes the indices it trained per
+has 1 (a spare whose model differs). With ``--die1 E`` rank 1 dies in epoch E's third step
+(``--die-how``: it raises, or kills itself, so that no exit handler runs). Every rank writes the indices it trained per
 (epoch, step), its shares and its final weights.
 """
 
@@ -23,6 +24,7 @@ import collections
 import itertools
 import json
 import os
+import signal
 import time
 
 import torch
@@ -73,6 +75,8 @@ def main():
     p.add_argument("--probe-fails1", action="store_true", help="rank 1's model raises in eval mode")
     p.add_argument("--buffer1", type=int, default=1, help="rank 1's model: a buffer of this many values (DDP leaves "
                    "it alone; rank 0's has 1)")
+    p.add_argument("--die1", type=int, default=None, help="rank 1 dies in this epoch's third step ...")
+    p.add_argument("--die-how", choices=["raises", "killed"], default="raises", help="... so")
     args, _ = p.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("kaitian")
@@ -105,6 +109,10 @@ def main():
         for step, (xb, yb, index) in enumerate(drawing_ahead(loader)):
             if step == 0:
                 shares.append([epoch, sampler.split])
+            if rank == 1 and epoch == args.die1 and step == 2:
+                if args.die_how == "killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("rank 1 dies here (--die1)")
             slow = args.slow1 if rank == 1 else (args.slow0 if epoch >= args.turn else 0.0)
             slow *= len(xb) if args.per_sample else 1
             opt.zero_grad()
