@@ -582,6 +582,7 @@ void KaitianBackend::watchPeer(int peer, const std::string& what) {
   if (!bridge_) return;
   // Outside every op: a deadline that never comes, the group's fail-stop state.
   const auto dl = Deadline::after(std::chrono::hours(24 * 365), what, &stop_, &fail_);
+  std::lock_guard<std::mutex> lock(shutdownMu_);  // the bridge stays open while we look (stop_ says if not)
   try {
     dl.check(what);
     const std::string gone = bridge_->whyGone(peer, dl, what);
