@@ -15,8 +15,8 @@ benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mo
 the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_buffers=False``,
 so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
 has 1 (a spare whose model differs). With ``--die1 E`` rank 1 dies in epoch E's third step
-(``--die-how``: it raises, or kills itself, so that no exit handler runs). Every rank writes the indices it trained per
-(epoch, step), its shares and its final weights.
+(``--die-how``: it raises, or kills itself, so that no exit handler runs). Every rank
+writes the indices it trained per (epoch, step), its shares and its final weights.
 """
 
 import argparse
