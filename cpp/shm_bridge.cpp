@@ -418,10 +418,7 @@ std::string ShmBridge::watchPeers(const std::vector<int>& with, const Deadline& 
   }
   for (int s : with) {
     if (s == rank_) continue;
-    if (peers_[s].hdr->state.load(std::memory_order_acquire) == kClosed) {
-      return peerGoneText(s, what.c_str());
-    }
-    std::string gone = goneText(s, what.c_str());
+    std::string gone = whyGone(s, dl, what);
     if (!gone.empty()) return gone;
   }
   return "";

@@ -434,8 +434,7 @@ std::string TcpBridge::watchPeers(const std::vector<int>& with, const Deadline& 
   return "";
 }
 
-std::string TcpBridge::whyGone(int peer, const Deadline& dl, const std::string& what) {
-  if (dl.fail && dl.fail->broken()) dl.fail->raise(dl.what);
+std::string TcpBridge::whyGone(int peer, const Deadline& /*dl*/, const std::string& what) {
   // Peeked, never read: the receive thread owns the stream (a peer that broke
   // the group and lives on is seen by the next receive, as its abort frame).
   const int fd = p2p_[peer];
