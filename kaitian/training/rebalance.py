@@ -671,12 +671,16 @@ class Rebalancer:
     def _await_message(self, source: int) -> None:
         """A benched rank's wait for its next message from ``source``, however long (see :meth:`_send`).
         No op is pending meanwhile, so nothing else would notice ``source`` die: on kaitian the wait
-        asks the backend, which breaks the group (naming ``source``) once it is gone."""
+        asks the backend, which breaks the group (naming ``source``) once it is gone. Not under
+        ``while_waiting`` (kaitian.elastic's look at the members): there the trainers also close the
+        group to re-form it (admitting a joiner), which is no loss, and the members' liveness tells."""
         store, key = _te.default_store(), _message_key(dist.get_rank(self.world_group))
-        try:
-            watch = kaitian_backend(self.world_group).watch_peer
-        except ValueError:  # another backend: its own timeout is all there is
-            watch = None
+        watch = None
+        if self.while_waiting is None:
+            try:
+                watch = kaitian_backend(self.world_group).watch_peer
+            except ValueError:  # another backend: its own timeout is all there is
+                pass
         while int(store.add(key, 0)) <= self._received:
             if self.while_waiting is not None:
                 self.while_waiting()
