@@ -277,13 +277,16 @@ def _worker(args: argparse.Namespace) -> int:
         "rebalance_all_cycles": statistics.mean(v for _, v in history["rebalance"]),
         "rebalance_paired": paired,
         "splits": {m: runs[m][0].split for m in runs},
-        "rebalance_rounds": [[d.fixed_s, d.per_sample_s, d.exchange_s, d.new] for d in balancer.history],
         "timings": {m: [[t.samples, t.compute_s, t.comm_s, t.step_s] for t in runs[m][1].step_timings][-8:]
                     for m in runs},
     }
     if rank == 0 and args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f)
+    if args.out:  # the rounds this rank trained in (a spare's history only follows the trainers')
+        with open(f"{args.out}.rounds.{rank}", "w", encoding="utf-8") as f:
+            json.dump([[d.epoch, d.old, d.fixed_s, d.per_sample_s, d.exchange_s, d.new, d.predicted_s,
+                        d.measured_s] for d in balancer.history if d.per_sample_s], f)
     del runs, model, opt, sampler, alone_job
     gc.collect()
     dist.destroy_process_group()
@@ -337,6 +340,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         with open(out, encoding="utf-8") as f:
             result = json.load(f)
+        rounds: Dict[str, list] = {}  # every rank's (the same round on each of its trainers: once)
+        for r in range(result["world"]):
+            with open(f"{out}.rounds.{r}", encoding="utf-8") as f:
+                rounds.update((json.dumps(entry), entry) for entry in json.load(f))
+        result["rebalance_rounds"] = sorted(rounds.values(), key=lambda entry: entry[0])
     steady = result["steady"]
     # the best subset's solo throughput: every rank's own (at the equal split's batch) or the fastest's alone
     # (at the whole batch: where fixed costs dominate, one rank at twice the batch beats both at half)
@@ -368,9 +376,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"turn's ideal and alone and local epochs), {reb / equal:.2f}x equal (medians over the steady state, "
           f"cycles {args.cycles // 2 + 1}..{args.cycles}); goal: >= 1.0x alone and >= 95 % of ideal: "
           f"{'met' if met else 'NOT met'}")
-    print("re-balancing rounds (fixed s, per-sample s, exchange s, split): "
-          + "; ".join(f"{[round(a, 4) for a in f]} {[round(b, 6) for b in p]} {x:.4f} {n}"
-                      for f, p, x, n in result["rebalance_rounds"][:6]))
+    rounds = result["rebalance_rounds"]
+    print(f"re-balancing rounds, the first 6 of {len(rounds)} (fixed s, per-sample s, exchange s, split, "
+          "predicted / measured step ms): "
+          + "; ".join(f"{[round(a, 4) for a in f]} {[round(b, 6) for b in p]} {x:.4f} {n} "
+                      f"{1e3 * t:.3g} / {1e3 * m:.3g}" for _, _, f, p, x, n, t, m in rounds[:6]))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
