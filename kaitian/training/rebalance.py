@@ -46,7 +46,7 @@ from kaitian.errors import SplitError, TrainingError
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.probe import probe_seconds
 from kaitian.training.sampler import DistributedSampler
-from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, solve_split
+from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, halfway, predicted_step, solve_split
 
 __all__ = ["Rebalancer", "RebalanceDecision", "DEFAULT_EVERY", "DEFAULT_SECONDS"]
 
@@ -439,6 +439,9 @@ class Rebalancer:
                     self._say_why(decision, old, costs)
             except SplitError as exc:
                 _log.warning("re-balancing skipped: %s", exc)
+        if self._reverses(old, new):
+            new = halfway(old, new)
+            predicted = predicted_step(new, costs, self._exchange_s, self._vendor_groups, self._within_s)
         staying = [r for r, n in enumerate(new) if n > 0]
         if new != old and not epoch_start and staying != training:
             # Benched from the first batch no loader has drawn yet: the trainers change
@@ -475,6 +478,19 @@ class Rebalancer:
             "" if applied else " (kept)", predicted, measured,
         )
         return decision_record
+
+    def _reverses(self, old: List[int], new: List[int]) -> bool:
+        """Whether ``new`` moves samples back the way the last round moved them, among the same
+        trainers. Such a move goes halfway: the step's cost is not linear there (a step under a
+        CPU quota jumps at the quota's period, a kernel at its tile size), and full moves back and
+        forth would follow that edge for ever; halving converges onto it."""
+        last = self.history[-1] if self.history else None
+        if new == old or last is None or last.new != old:
+            return False
+        active = lambda split: [r for r, n in enumerate(split) if n > 0]  # noqa: E731
+        if not active(last.old) == active(old) == active(new):
+            return False
+        return sum((now - before) * (after - now) for before, now, after in zip(last.old, old, new)) < 0
 
     def _weigh_stripes(self, speeds: List[float]) -> Optional[List[int]]:
         """The trainers' all_reduce across vendor groups gives each a stripe in proportion to its

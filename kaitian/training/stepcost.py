@@ -33,7 +33,8 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kaitian.errors import SplitError
 
-__all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split", "predicted_step", "exchange_of"]
+__all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split", "predicted_step", "exchange_of",
+           "halfway"]
 
 # Batch sizes whose spread (relative to their mean) is below ALIKE cannot tell a from b; from
 # SEPARATED on they tell it as well as the machine's drift lets them, and in between the fixed part
@@ -269,6 +270,18 @@ def _water_fill(total: int, ranks: Sequence[int], costs: Sequence[StepCost], min
     while sum(split) < total:
         r = min((r for r in ranks if caps[r] is None or split[r] < caps[r]),
                 key=lambda r: (costs[r].at(split[r] + 1), r))
+        split[r] += 1
+    return split
+
+
+def halfway(old: Sequence[int], new: Sequence[int]) -> List[int]:
+    """The integer split halfway from ``old`` to ``new`` (the same total; the samples that halving
+    leaves go to the ranks with a half, lower ranks first). Between two splits that respect a
+    minimum and caps, so does it."""
+    target = [(a + b) / 2 for a, b in zip(old, new)]
+    split = [math.floor(t) for t in target]
+    halves = sorted(range(len(split)), key=lambda r: (split[r] - target[r], r))
+    for r in halves[:sum(new) - sum(split)]:
         split[r] += 1
     return split
 

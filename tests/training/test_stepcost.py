@@ -8,7 +8,7 @@ import pytest
 from kaitian.errors import SplitError
 from kaitian.training.sampler import DistributedSampler
 from kaitian.training.split import SplitSchedule, epoch_layout
-from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, predicted_step, solve_split
+from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, halfway, predicted_step, solve_split
 
 
 def test_the_fit_follows_a_rank_that_slows_down():
@@ -175,6 +175,38 @@ def test_the_solver_is_deterministic_and_takes_the_lower_rank_on_ties():
     results = {tuple(solve_split(30, same, ["a", "a", "a"], 1.0, [10, 10, 10], allow_bench=True).split)
                for _ in range(5)}
     assert results == {(30, 0, 0)}
+
+
+def test_halfway_keeps_the_total_and_stays_between_the_two_splits():
+    assert halfway([64, 64], [48, 80]) == [56, 72]
+    assert halfway([64, 64, 0], [49, 79, 0]) == [57, 71, 0]  # the half goes to the lower rank; a benched one stays
+    assert halfway([64, 64], [63, 65]) == [64, 64]
+    rng = random.Random(0)
+    for _ in range(200):
+        old = [rng.randint(1, 50) for _ in range(4)]
+        new = list(old)
+        for _ in range(10):
+            a, b = rng.randrange(4), rng.randrange(4)
+            if a != b and new[a] > 1:
+                new[a], new[b] = new[a] - 1, new[b] + 1
+        mid = halfway(old, new)
+        assert sum(mid) == sum(old) and all(min(o, n) <= m <= max(o, n) for o, n, m in zip(old, new, mid))
+
+
+def test_a_round_that_moves_samples_back_the_way_the_last_one_moved_them_goes_halfway():
+    from types import SimpleNamespace
+
+    from kaitian.training.rebalance import Rebalancer, RebalanceDecision
+
+    def reverses(last_old, old, new):
+        last = RebalanceDecision(step=0, epoch=0, per_sample_s=[], old=last_old, new=old, applied=True)
+        return Rebalancer._reverses(SimpleNamespace(history=[last]), old, new)
+
+    assert reverses([64, 64], [48, 80], [70, 58])  # 64 -> 48 -> 70: back, so halfway (59, 69)
+    assert not reverses([64, 64], [48, 80], [40, 88])  # on the same way: a full move
+    assert not reverses([64, 64], [64, 64], [70, 58])  # the last round kept the split
+    assert not reverses([64, 64], [48, 80], [128, 0])  # benching is no reversal of a re-split
+    assert not reverses([0, 128], [48, 80], [70, 58])  # nor is a call-back
 
 
 def test_a_cap_or_a_minimum_that_no_subset_meets_is_an_error():
