@@ -82,11 +82,13 @@ def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_ex
 
 
 def test_a_spare_called_back_to_train_beside_the_others_keeps_the_rounds_in_step():
-    """Per-sample costs: rank 1 (4 ms a sample) is benched for the exchange it adds while rank 0
-    is fast, and called back to train beside it once rank 0 costs 6 ms a sample (from epoch 2).
+    """Per-sample costs: rank 1 (6 ms a sample) is benched for the exchange it adds while rank 0
+    is fast, and called back to train beside it once rank 0 costs 6 ms a sample too (from epoch 2).
     The called-back rank took fewer steps than rank 0; rounds every 5 steps and rank 0's time
-    votes must still come at the same steps on both (a round on one rank only breaks the group)."""
-    r0, r1, log0 = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.006", "--slow1", "0.004",
+    votes must still come at the same steps on both (a round on one rank only breaks the group).
+    Both at 6 ms: either alone would take twice the step of both (with 4 ms on rank 1, a busy CI
+    machine's exchange of 50 ms once made rank 1 alone look faster, and the call-back swapped them)."""
+    r0, r1, log0 = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.006", "--slow1", "0.006",
                                     "--every", "5", "--epochs", "9")
     weights, lr = _replay([r0["trained"], r1["trained"]], epochs=9)
     for r in (r0, r1):
