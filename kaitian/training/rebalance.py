@@ -413,7 +413,7 @@ class Rebalancer:
                 self.smoothing * fit.fixed_s + (1 - self.smoothing) * old_cost.fixed_s,
                 self.smoothing * fit.per_sample_s + (1 - self.smoothing) * old_cost.per_sample_s)
         old = self.sampler.split
-        training = [r for r, n in enumerate(old) if n > 0]
+        training = _trainers(old)
         costs, comm, caps, measured, ahead, speeds = self._exchange(training, self.group, epoch_start)
         if comm is not None and len(training) > 1:
             groups = {self._vendor_groups[r] for r in training}
@@ -442,7 +442,7 @@ class Rebalancer:
         if self._reverses(old, new):
             new = halfway(old, new)
             predicted = predicted_step(new, costs, self._exchange_s, self._vendor_groups, self._within_s)
-        staying = [r for r, n in enumerate(new) if n > 0]
+        staying = _trainers(new)
         if new != old and not epoch_start and staying != training:
             # Benched from the first batch no loader has drawn yet: the trainers change
             # groups at that step, the benched rank's pass over the epoch ends there.
@@ -487,8 +487,7 @@ class Rebalancer:
         last = self.history[-1] if self.history else None
         if new == old or last is None or last.new != old:
             return False
-        active = lambda split: [r for r, n in enumerate(split) if n > 0]  # noqa: E731
-        if not active(last.old) == active(old) == active(new):
+        if not _trainers(last.old) == _trainers(old) == _trainers(new):
             return False
         return sum((now - before) * (after - now) for before, now, after in zip(last.old, old, new)) < 0
 
@@ -634,7 +633,7 @@ class Rebalancer:
                 _te.default_store().set(_cost_key(me), _NO_COST)
                 self._published = False
             self._receive_state(source)
-            self._train_in([r for r, n in enumerate(new) if n > 0])
+            self._train_in(_trainers(new))
             self._skip = self.warmup_steps
         self.history.append(RebalanceDecision(step=self._step, epoch=epoch, per_sample_s=[], old=old, new=new,
                                               applied=new != old))
@@ -841,6 +840,11 @@ class Rebalancer:
 
 _MAX_SKELETON = 1 << 30  # bytes of a state's structure (its tensors travel apart)
 _ALIGN = 16  # bytes: a packed tensor's start (the largest dtype's size)
+
+
+def _trainers(split: Sequence[int]) -> List[int]:
+    """The ranks with samples in ``split``."""
+    return [r for r, n in enumerate(split) if n > 0]
 
 
 def _reduce_speed(group: dist.ProcessGroup) -> float:
