@@ -27,9 +27,10 @@ def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
     assert r0["history"] == r1["history"], "ranks disagree on the split"
     assert [a + b for a, b in zip(r0["sizes"], r1["sizes"])] == [128] * 240
     before = r0["sizes"][70:80]
-    # Equal speed: about an equal split (within a quarter: on a loaded 2-core machine the
-    # other suites' processes slow one rank or the other by 10-20%).
-    assert all(abs(b - 64) <= 16 for b in before), before
+    # Equal speed: about an equal split. Within 3/8 of it: on a loaded 2-core machine the
+    # other lanes' processes slow one rank or the other for whole rounds, and the split
+    # follows what was measured: CI saw 46:82.
+    assert all(abs(b - 64) <= 24 for b in before), (before, r0["history"])
     after = sorted(r0["sizes"][80 + 75:])
     # Ideal 5:1 = 107 of 128. Most steps hold most of it; none goes back to an equal split
     # (a round measured while other processes slowed rank 0 may move back part of the way:

@@ -52,7 +52,8 @@ def main():
     with open(os.environ["KT_OUT"], "w") as f:
         json.dump({
             "rank": rank, "sizes": sizes, "every": balancer.every, "seconds": balancer.seconds,
-            "history": [[d.step, d.old, d.new, d.applied] for d in balancer.history],
+            "history": [[d.step, d.old, d.new, d.applied, [round(1e3 * c, 4) for c in d.fixed_s],
+                         [round(1e3 * c, 4) for c in d.per_sample_s]] for d in balancer.history],
         }, f)
     del model, balancer, opt, loader
     end_process_group()
