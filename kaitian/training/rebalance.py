@@ -46,7 +46,9 @@ from kaitian.errors import SplitError, TrainingError
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.probe import probe_seconds
 from kaitian.training.sampler import DistributedSampler
-from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, halfway, predicted_step, solve_split
+from kaitian.training.stepcost import (
+    StepCost, StepCostFit, exchange_of, follow_exchange, halfway, predicted_step, solve_split,
+)
 
 __all__ = ["Rebalancer", "RebalanceDecision", "DEFAULT_EVERY", "DEFAULT_SECONDS"]
 
@@ -223,7 +225,7 @@ class Rebalancer:
         """
         self._comm = [0.0, 0]  # communication seconds and steps since the last round
         self._busy = [0.0, 0]  # step seconds and steps since the last round (the measured step)
-        self._exchange_s = 0.0  # the last measured exchange of training ranks in several vendor groups
+        self._exchange_s = 0.0  # the exchange of training ranks in several vendor groups (follow_exchange)
         self._within_s: Dict[str, float] = {}  # ... and of ranks all in one group, per group
         self._skip = self.warmup_steps
         self._step = 0
@@ -415,12 +417,8 @@ class Rebalancer:
         old = self.sampler.split
         training = _trainers(old)
         costs, comm, caps, measured, ahead, speeds = self._exchange(training, self.group, epoch_start)
-        if comm is not None and len(training) > 1:
-            groups = {self._vendor_groups[r] for r in training}
-            if len(groups) == 1:
-                self._within_s[groups.pop()] = comm
-            else:
-                self._exchange_s = comm
+        if comm is not None:
+            self._keep_exchange(training, comm)
         # Benching: at an epoch start, or once an epoch between steps of whole batches (the
         # lead of the loaders that draw ahead is known); calling back only at an epoch start.
         bench = self.sampler.benching and self._steps_done >= 2 and (
@@ -478,6 +476,17 @@ class Rebalancer:
             "" if applied else " (kept)", predicted, measured,
         )
         return decision_record
+
+    def _keep_exchange(self, training: List[int], comm: float) -> None:
+        """The round's exchange time among ``training``, kept by kind (:func:`follow_exchange`)."""
+        if len(training) < 2:
+            return
+        groups = {self._vendor_groups[r] for r in training}
+        if len(groups) == 1:
+            group = groups.pop()
+            self._within_s[group] = follow_exchange(self._within_s.get(group), comm)
+        else:
+            self._exchange_s = follow_exchange(self._exchange_s, comm)
 
     def _reverses(self, old: List[int], new: List[int]) -> bool:
         """Whether ``new`` moves samples back the way the last round moved them, among the same

@@ -34,7 +34,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 from kaitian.errors import SplitError
 
 __all__ = ["StepCostFit", "StepCost", "Candidate", "SplitDecision", "solve_split", "predicted_step", "exchange_of",
-           "halfway"]
+           "halfway", "follow_exchange"]
 
 # Batch sizes whose spread (relative to their mean) is below ALIKE cannot tell a from b; from
 # SEPARATED on they tell it as well as the machine's drift lets them, and in between the fixed part
@@ -52,6 +52,8 @@ _ANCHOR, _ANCHOR_MAX = 3, 12
 # Steps judged against one fit before it is made again: a step's check then costs a comparison,
 # not a least-squares pass over the window, on the step's own critical path.
 _REFIT_EVERY = 8
+# A round's exchange time may lower the one kept at once, but raise it this many times at most.
+EXCHANGE_RISE = 2.0
 # Up to this many ranks every subset is tried (4096 split computations); beyond, whole vendor
 # groups and the fastest ranks of them.
 _EVERY_SUBSET = 12
@@ -218,6 +220,18 @@ def exchange_of(ranks: Sequence[int], exchange_s: float, groups: Optional[Sequen
         return exchange_s
     names = {groups[r] for r in ranks}
     return within_s.get(names.pop(), 0.0) if len(names) == 1 else exchange_s
+
+
+def follow_exchange(kept: Optional[float], measured: float) -> float:
+    """The exchange time kept after a round measured ``measured`` (``kept``: ``None`` before any).
+
+    Load only ever slows an exchange, and a kept value outlives its round: while one group
+    trains alone nothing measures the exchange across groups, and one loaded round's reading,
+    kept whole, kept the others benched. So a reading lowers the kept time at once and raises
+    it at most ``EXCHANGE_RISE`` times a round: a real rise is followed in a few rounds."""
+    if kept is None or kept <= 0:
+        return measured
+    return min(measured, EXCHANGE_RISE * kept)
 
 
 def predicted_step(split: Sequence[int], costs: Sequence[StepCost], exchange_s: float,

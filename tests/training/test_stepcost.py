@@ -8,7 +8,9 @@ import pytest
 from kaitian.errors import SplitError
 from kaitian.training.sampler import DistributedSampler
 from kaitian.training.split import SplitSchedule, epoch_layout
-from kaitian.training.stepcost import StepCost, StepCostFit, exchange_of, halfway, predicted_step, solve_split
+from kaitian.training.stepcost import (
+    StepCost, StepCostFit, exchange_of, follow_exchange, halfway, predicted_step, solve_split,
+)
 
 
 def test_the_fit_follows_a_rank_that_slows_down():
@@ -207,6 +209,39 @@ def test_a_round_that_moves_samples_back_the_way_the_last_one_moved_them_goes_ha
     assert not reverses([64, 64], [64, 64], [70, 58])  # the last round kept the split
     assert not reverses([64, 64], [48, 80], [128, 0])  # benching is no reversal of a re-split
     assert not reverses([0, 128], [48, 80], [70, 58])  # nor is a call-back
+
+
+def test_a_loaded_round_at_most_doubles_the_kept_exchange_and_a_real_rise_is_followed():
+    assert follow_exchange(None, 0.05) == 0.05 and follow_exchange(0.0, 0.05) == 0.05  # the first reading, whole
+    assert follow_exchange(0.01, 0.004) == 0.004  # lower at once
+    assert follow_exchange(0.01, 0.05) == 0.02  # a spike: at most twice
+    kept = 0.01
+    for _ in range(4):  # a real rise to 10x is followed within four rounds
+        kept = follow_exchange(kept, 0.1)
+    assert kept == 0.1
+
+
+def test_a_loaded_round_s_exchange_does_not_bench_a_group_that_pays():
+    """Two groups of one rank, 3 ms + 2 ms a sample each: together 67 ms + the exchange (10 ms),
+    either alone 131 ms. A loaded round reads the exchange across them as 70 ms: kept whole, either
+    alone would look faster, the other benched, and nothing would measure the exchange again."""
+    from types import SimpleNamespace
+
+    from kaitian.training.rebalance import Rebalancer
+
+    state = SimpleNamespace(_vendor_groups=["a", "b"], _within_s={}, _exchange_s=0.0)
+    for comm in (0.01, 0.07):
+        Rebalancer._keep_exchange(state, [0, 1], comm)
+    assert state._exchange_s == 0.02 and state._within_s == {}
+    costs = [StepCost(0.003, 0.002)] * 2
+    assert solve_split(64, costs, ["a", "b"], state._exchange_s, [32, 32], allow_bench=True).split == [32, 32]
+    assert solve_split(64, costs, ["a", "b"], 0.07, [32, 32], allow_bench=True).split == [64, 0]
+    Rebalancer._keep_exchange(state, [0], 0.5)  # one rank alone exchanges nothing
+    Rebalancer._keep_exchange(state, [0, 1], 0.005)
+    assert state._exchange_s == 0.005
+    state._vendor_groups = ["a", "a"]
+    Rebalancer._keep_exchange(state, [0, 1], 0.004)  # within one group: its own kind
+    assert state._within_s == {"a": 0.004} and state._exchange_s == 0.005
 
 
 def test_a_cap_or_a_minimum_that_no_subset_meets_is_an_error():
