@@ -286,7 +286,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.out:  # the rounds this rank trained in (a spare's history only follows the trainers')
         with open(f"{args.out}.rounds.{rank}", "w", encoding="utf-8") as f:
             json.dump([[d.epoch, d.old, d.fixed_s, d.per_sample_s, d.exchange_s, d.new, d.predicted_s,
-                        d.measured_s] for d in balancer.history if d.per_sample_s], f)
+                        d.measured_s, d.stripes] for d in balancer.history if d.per_sample_s], f)
     del runs, model, opt, sampler, alone_job
     gc.collect()
     dist.destroy_process_group()
@@ -378,9 +378,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{'met' if met else 'NOT met'}")
     rounds = result["rebalance_rounds"]
     print(f"re-balancing rounds, the first 6 of {len(rounds)} (fixed s, per-sample s, exchange s, split, "
-          "predicted / measured step ms): "
-          + "; ".join(f"{[round(a, 4) for a in f]} {[round(b, 6) for b in p]} {x:.4f} {n} "
-                      f"{1e3 * t:.3g} / {1e3 * m:.3g}" for _, _, f, p, x, n, t, m in rounds[:6]))
+          "stripe weights, predicted / measured step ms): "
+          + "; ".join(f"{[round(a, 4) for a in f]} {[round(b, 6) for b in p]} {x:.4f} {n} {w or 'even'} "
+                      f"{1e3 * t:.3g} / {1e3 * m:.3g}" for _, _, f, p, x, n, t, m, w in rounds[:6]))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
