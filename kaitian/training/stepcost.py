@@ -52,8 +52,8 @@ _ANCHOR, _ANCHOR_MAX = 3, 12
 # Steps judged against one fit before it is made again: a step's check then costs a comparison,
 # not a least-squares pass over the window, on the step's own critical path.
 _REFIT_EVERY = 8
-# A round's exchange time may lower the one kept at once, but raise it this many times at most.
-EXCHANGE_RISE = 2.0
+# A round's exchange time moves the one kept this many times up or down at most.
+EXCHANGE_STEP = 2.0
 # Up to this many ranks every subset is tried (4096 split computations); beyond, whole vendor
 # groups and the fastest ranks of them.
 _EVERY_SUBSET = 12
@@ -223,15 +223,17 @@ def exchange_of(ranks: Sequence[int], exchange_s: float, groups: Optional[Sequen
 
 
 def follow_exchange(kept: Optional[float], measured: float) -> float:
-    """The exchange time kept after a round measured ``measured`` (``kept``: ``None`` before any).
+    """The exchange time kept after a round measured ``measured`` (``kept``: ``None`` before any):
+    the reading, but at most ``EXCHANGE_STEP`` times above or below the kept time.
 
-    Load only ever slows an exchange, and a kept value outlives its round: while one group
-    trains alone nothing measures the exchange across groups, and one loaded round's reading,
-    kept whole, kept the others benched. So a reading lowers the kept time at once and raises
-    it at most ``EXCHANGE_RISE`` times a round: a real rise is followed in a few rounds."""
+    A round's reading swings far from the typical one (0.2 to 34 ms between rounds of one run
+    under CPU quotas), and the kept time outlives its round: while one group trains alone
+    nothing measures the exchange across groups. Kept whole, one loaded round's reading kept
+    the other group benched; one lucky round's would keep a group training that slows every
+    step. A real change is followed within a few rounds."""
     if kept is None or kept <= 0:
         return measured
-    return min(measured, EXCHANGE_RISE * kept)
+    return min(max(measured, kept / EXCHANGE_STEP), kept * EXCHANGE_STEP)
 
 
 def predicted_step(split: Sequence[int], costs: Sequence[StepCost], exchange_s: float,

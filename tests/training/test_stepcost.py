@@ -211,14 +211,16 @@ def test_a_round_that_moves_samples_back_the_way_the_last_one_moved_them_goes_ha
     assert not reverses([0, 128], [48, 80], [70, 58])  # nor is a call-back
 
 
-def test_a_loaded_round_at_most_doubles_the_kept_exchange_and_a_real_rise_is_followed():
+def test_one_round_moves_the_kept_exchange_at_most_twice_up_or_down_and_a_real_change_is_followed():
     assert follow_exchange(None, 0.05) == 0.05 and follow_exchange(0.0, 0.05) == 0.05  # the first reading, whole
-    assert follow_exchange(0.01, 0.004) == 0.004  # lower at once
-    assert follow_exchange(0.01, 0.05) == 0.02  # a spike: at most twice
-    kept = 0.01
-    for _ in range(4):  # a real rise to 10x is followed within four rounds
-        kept = follow_exchange(kept, 0.1)
-    assert kept == 0.1
+    assert follow_exchange(0.01, 0.015) == 0.015 and follow_exchange(0.01, 0.006) == 0.006  # within 2x: as read
+    assert follow_exchange(0.01, 0.05) == 0.02  # a spike: twice at most
+    assert follow_exchange(0.01, 0.0002) == 0.005  # a lucky round: half at most
+    for start, real in ((0.01, 0.1), (0.1, 0.01)):  # a real change of 10x is followed within four rounds
+        kept = start
+        for _ in range(4):
+            kept = follow_exchange(kept, real)
+        assert kept == real
 
 
 def test_a_loaded_round_s_exchange_does_not_bench_a_group_that_pays():
@@ -237,11 +239,11 @@ def test_a_loaded_round_s_exchange_does_not_bench_a_group_that_pays():
     assert solve_split(64, costs, ["a", "b"], state._exchange_s, [32, 32], allow_bench=True).split == [32, 32]
     assert solve_split(64, costs, ["a", "b"], 0.07, [32, 32], allow_bench=True).split == [64, 0]
     Rebalancer._keep_exchange(state, [0], 0.5)  # one rank alone exchanges nothing
-    Rebalancer._keep_exchange(state, [0, 1], 0.005)
-    assert state._exchange_s == 0.005
+    Rebalancer._keep_exchange(state, [0, 1], 0.01)  # the next round reads the typical time again
+    assert state._exchange_s == 0.01
     state._vendor_groups = ["a", "a"]
     Rebalancer._keep_exchange(state, [0, 1], 0.004)  # within one group: its own kind
-    assert state._within_s == {"a": 0.004} and state._exchange_s == 0.005
+    assert state._within_s == {"a": 0.004} and state._exchange_s == 0.01
 
 
 def test_a_cap_or_a_minimum_that_no_subset_meets_is_an_error():
