@@ -226,7 +226,7 @@ def follow_exchange(kept: Optional[float], measured: float) -> float:
     """The exchange time kept after a round measured ``measured`` (``kept``: ``None`` before any):
     the reading, but at most ``EXCHANGE_STEP`` times above or below the kept time.
 
-    A round's reading swings far from the typical one (0.2 to 34 ms between rounds of one run
+    A round's reading swings far from the typical one (0.1 to 34 ms between rounds of one run
     under CPU quotas), and the kept time outlives its round: while one group trains alone
     nothing measures the exchange across groups. Kept whole, one loaded round's reading kept
     the other group benched; one lucky round's would keep a group training that slows every
