@@ -220,13 +220,16 @@ def _steps(out: str) -> List[dict]:
 def _one(mode: str, args) -> dict:
     """One run: start, kill launch rank 1 once ``--kill-at`` steps are applied, measure."""
     with tempfile.TemporaryDirectory(prefix="kaitian-bench-recovery-") as out:
-        proc = subprocess.Popen(_command(mode, args, out), env=_env(mode, args), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        log_path = os.path.join(out, "job.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(_command(mode, args, out), env=_env(mode, args), stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + args.timeout
             while max((r["applied"] for r in _steps(out)), default=0) < args.kill_at:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{mode}: the job ended or stalled before step {args.kill_at}")
+                    raise RuntimeError(f"{mode}: the job ended or stalled before step {args.kill_at}"
+                                       f"{_output_end(log_path)}")
                 time.sleep(0.002)
             (victim,) = _starts(out, _victim_rank(out, args))
             killed = time.time()
@@ -244,12 +247,18 @@ def _one(mode: str, args) -> dict:
                 return {**_measure(_steps(out), killed, args, complete=False), **rejoin()}
             code = proc.wait(timeout=args.timeout)
             if code != 0:
-                raise RuntimeError(f"{mode}: the job failed after the kill (exit code {code})")
+                raise RuntimeError(f"{mode}: the job failed after the kill (exit code {code}){_output_end(log_path)}")
             return {**_measure(_steps(out), killed, args), **rejoin()}
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def _output_end(log_path: str) -> str:
+    """The end of the job's output, for an error (its folder goes with the run)."""
+    with open(log_path, errors="replace") as log:
+        return "; its output ended:\n" + log.read()[-3000:]
 
 
 def _starts(out: str, launch_rank: int) -> List[dict]:

@@ -19,6 +19,11 @@ SKIPPED = {"build", "lightning", "accelerate"}  # built already; one trainer in 
 LEASE = [sys.executable, os.path.join(REPO, "scripts", "lease_check.py"), "--dry-run"]
 
 
+def _failed_logs(out) -> str:
+    """The end of every log of the lease's folder (the failed parts' among them): pytest removes it later."""
+    return "".join(f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-3000:] for log in sorted(out.glob("*.log")))
+
+
 def test_the_lease_command_dry_runs_on_the_fake_mlu(tmp_path) -> None:
     """Every part ran on the fake MLU and passed (the build is skipped: CI built the
     extension; one trainer of three), each said what it measured (the device's worker
@@ -28,7 +33,7 @@ def test_the_lease_command_dry_runs_on_the_fake_mlu(tmp_path) -> None:
                           "--out", str(out)], env=repo_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     lines = re.findall(r"^(PASS|FAIL|SKIP) +(\S+(?: \d+)?) +\d+ s  (.*)$", run.stdout, re.M)
     parts = {name: (verdict, note) for verdict, name, note in lines}
-    assert run.returncode == 0 and list(parts) == PARTS, run.stdout[-4000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and list(parts) == PARTS, run.stdout[-4000:] + run.stderr[-3000:] + _failed_logs(out)
     assert all(verdict == ("SKIP" if p in SKIPPED else "PASS") for p, (verdict, _) in parts.items()), parts
     assert "ratio" in parts["demo 64"][1] and "rejoined" in parts["rejoin"][1], parts
     assert re.search(r"allreduce busbw vs gloo: 1 MiB [\d.]+ GB/s = [\d.]+x", parts["collectives 4"][1]), parts
