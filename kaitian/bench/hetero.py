@@ -68,10 +68,12 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -80,6 +82,7 @@ __all__ = ["main"]
 _MODES = ("solo", "alone", "local", "equal", "static", "rebalance")
 _PARALLEL = _MODES[1:]
 _TURN = ("alone", "rebalance", "local", "solo")  # compared epoch by epoch: one of each per turn
+_PROGRESS = "kaitian bench hetero: cycle "  # the worker's progress lines, passed through by the driver
 _LABELS = {
     "alone": "fastest group alone",
     "local": "plain local model",
@@ -140,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="turns per cycle: an epoch each of the fastest group alone, re-balancing, "
                    "the plain local model and solo, back to back; re-balancing is compared turn by turn")
     p.add_argument("--backend", default="kaitian")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds before the job is stopped (default 3600: the default run takes 10-30 min, "
+                   "by the host's speed)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -267,6 +273,8 @@ def _worker(args: argparse.Namespace) -> int:
             # holds up only collectives of the whole world (as the gathers here), not the steps
             elapsed = max(gather(time.perf_counter() - start if seen else 0.0))
             history[mode].append((cycle, sum(gather(seen)) / elapsed))
+        if rank == 0:
+            print(f"{_PROGRESS}{cycle + 1}/{args.cycles} done", flush=True)
 
     steady, paired = _steady_state(history, args.cycles)
     result = {
@@ -294,6 +302,35 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # -- driver -------------------------------------------------------------------------------
+
+
+def _run_job(cmd: List[str], timeout: float) -> Tuple[Optional[int], str]:
+    """Runs the job, passing its progress lines through: its exit code (``None``: it ran past
+    ``timeout`` and was stopped, every process of it) and its whole output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: List[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if _PROGRESS in line:
+                print(line[line.index(_PROGRESS):], end="", flush=True)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        returncode: Optional[int] = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # kaitianrun stops its workers and cleans up, as on Ctrl-C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        returncode = None
+    reader.join()
+    return returncode, "".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -329,14 +366,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "--features", str(args.features), "--cycles", str(args.cycles), "--steps", str(args.steps),
                "--pairs", str(args.pairs),
                "--backend", args.backend, "--out", out]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        except subprocess.TimeoutExpired:
-            print("kaitian bench hetero: the benchmark job timed out", file=sys.stderr)
+        returncode, output = _run_job(cmd, args.timeout)
+        if returncode is None:
+            print(f"kaitian bench hetero: the benchmark job ran past --timeout {args.timeout:g} s; stopped it:\n"
+                  f"{output[-3000:]}", file=sys.stderr)
             return 1
-        if proc.returncode != 0 or not os.path.exists(out):
-            print(f"kaitian bench hetero: kaitianrun failed ({proc.returncode}):\n"
-                  f"{(proc.stdout + proc.stderr)[-3000:]}", file=sys.stderr)
+        if returncode != 0 or not os.path.exists(out):
+            print(f"kaitian bench hetero: kaitianrun failed ({returncode}):\n{output[-3000:]}", file=sys.stderr)
             return 1
         with open(out, encoding="utf-8") as f:
             result = json.load(f)
