@@ -317,18 +317,24 @@ def _run_job(cmd: List[str], timeout: float) -> Tuple[Optional[int], str]:
             if _PROGRESS in line:
                 print(line[line.index(_PROGRESS):], end="", flush=True)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        returncode: Optional[int] = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    def stop() -> None:
         proc.terminate()  # kaitianrun stops its workers and cleans up, as on Ctrl-C
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        returncode: Optional[int] = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop()
         returncode = None
+    except BaseException:  # Ctrl-C: the job runs in its own session, out of the terminal's reach
+        stop()
+        raise
     reader.join()
     return returncode, "".join(lines)
 
@@ -348,9 +354,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("kaitian bench hetero: --quota needs two positive core counts, e.g. 0.3,0.1 "
               "(or one and --gap >= 1, e.g. --quota 1 --gap 10)", file=sys.stderr)
         return 2
-    if args.cycles < 2 or args.steps < 1 or args.batch_size < 2 or args.features < 1 or args.pairs < 1:
+    if (args.cycles < 2 or args.steps < 1 or args.batch_size < 2 or args.features < 1 or args.pairs < 1
+            or not args.timeout > 0):
         print("kaitian bench hetero: need --cycles >= 2, --steps >= 1, --batch-size >= 2, --features >= 1, "
-              "--pairs >= 1", file=sys.stderr)
+              "--pairs >= 1, --timeout > 0", file=sys.stderr)
         return 2
     quota = ",".join(f"{q:g}" for q in quotas)
     print(f"kaitian bench hetero: groups cpu0 / cpu1 with {quotas[0]:g} / {quotas[1]:g} cores "

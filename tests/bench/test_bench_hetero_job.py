@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 from support import REPO
 
+LONG = ["--cycles", "1000", "--hidden", "1024", "--batch-size", "2048"]  # about a second a cycle
 SMALL = ["--quota", "1", "--gap", "1", "--batch-size", "8", "--hidden", "16", "--features", "8", "--steps", "1",
          "--pairs", "1"]
 
 
-def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _command(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "kaitian", "bench", "hetero", *SMALL, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return {"args": [sys.executable, "-m", "kaitian", "bench", "hetero", *SMALL, *args], "cwd": REPO, "env": env,
+            "text": True}
+
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(**_command(*args), capture_output=True, timeout=timeout)
 
 
 def _workers() -> list:
@@ -37,8 +43,25 @@ def test_a_small_run_shows_each_cycle_then_the_table(tmp_path):
 
 def test_a_job_past_its_timeout_is_stopped_with_its_workers():
     started = time.monotonic()
-    proc = _bench("--cycles", "1000", "--timeout", "15", timeout=200)
+    proc = _bench(*LONG, "--timeout", "15", timeout=200)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ran past --timeout 15 s" in proc.stderr
     assert time.monotonic() - started < 120
     assert _workers() == []
+
+
+def test_ctrl_c_stops_the_job_it_started_in_its_own_session():
+    proc = subprocess.Popen(**_command(*LONG), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert any("cycle 1/1000 done" in line for line in proc.stdout)  # the job is under way
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    assert _workers() == []
+
+
+def test_a_timeout_that_is_not_positive_is_a_one_line_error():
+    proc = _bench("--timeout", "0")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("--timeout > 0")
+    assert len(proc.stderr.strip().splitlines()) == 1
