@@ -19,17 +19,36 @@ def _run(*args, timeout=180):
         cleanup(run)
 
 
+def _unequal_before_the_slowdown(history, slow_from=80, apart=2.0):
+    """The rounds before the slowdown whose fitted costs of an equal share (64 samples) are more
+    than ``apart`` times apart: the machine, not the script, made one rank slower (CI, this
+    host's serial pass beside the other lanes, measured 4.8 against 13.2 ms at step 29). Costs
+    up to 2x apart split 43:85 at most, inside the band the test allows; beside a CI run, this
+    machine's rounds measured them 1.5-1.7x apart."""
+    unequal = []
+    for step, _, _, _, fixed, per_sample in history:
+        costs = [f + b * 64 for f, b in zip(fixed, per_sample)]
+        if step < slow_from and min(costs) > 0 and max(costs) > apart * min(costs):
+            unequal.append((step, [round(c, 2) for c in costs]))
+    return unequal
+
+
 def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
     """Default settings (a round every 25 steps or 10 s): rank 1 becomes 5x slower at
-    step 80 of a 240-step epoch; within 3 rounds (75 steps) most of the batch has moved."""
+    step 80 of a 240-step epoch; within 3 rounds (75 steps) most of the batch has moved.
+    The ranks are of equal speed until then only if the machine lets them be: a run whose
+    rounds measured them apart runs once more, and two such runs fail."""
     r0, r1 = _run("--steps", "240", "--slow-from", "80")
+    if _unequal_before_the_slowdown(r0["history"]):
+        first = _unequal_before_the_slowdown(r0["history"])
+        r0, r1 = _run("--steps", "240", "--slow-from", "80")
+        again = _unequal_before_the_slowdown(r0["history"])
+        assert not again, f"the machine made the equal ranks unequal in two runs (step, ms at 64): {first}; {again}"
     assert (r0["every"], r0["seconds"]) == (25, 10.0)
     assert r0["history"] == r1["history"], "ranks disagree on the split"
     assert [a + b for a, b in zip(r0["sizes"], r1["sizes"])] == [128] * 240
     before = r0["sizes"][70:80]
-    # Equal speed: about an equal split. Within 3/8 of it: on a loaded 2-core machine the
-    # other lanes' processes slow one rank or the other for whole rounds, and the split
-    # follows what was measured: CI saw 46:82.
+    # Measured within 2x of each other: within 3/8 of an equal split (CI saw 46:82).
     assert all(abs(b - 64) <= 24 for b in before), (before, r0["history"])
     after = sorted(r0["sizes"][80 + 75:])
     # Ideal 5:1 = 107 of 128. Most steps hold most of it; none goes back to an equal split
