@@ -39,8 +39,8 @@ def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
     The ranks are of equal speed until then only if the machine lets them be: a run whose
     rounds measured them apart runs once more, and two such runs fail."""
     r0, r1 = _run("--steps", "240", "--slow-from", "80")
-    if _unequal_before_the_slowdown(r0["history"]):
-        first = _unequal_before_the_slowdown(r0["history"])
+    first = _unequal_before_the_slowdown(r0["history"])
+    if first:
         r0, r1 = _run("--steps", "240", "--slow-from", "80")
         again = _unequal_before_the_slowdown(r0["history"])
         assert not again, f"the machine made the equal ranks unequal in two runs (step, ms at 64): {first}; {again}"
