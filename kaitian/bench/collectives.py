@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import warnings
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
+from kaitian.bench.session import stop_session
 from kaitian.devices.device import WorkerDevice
 from kaitian.settings import Settings
 
@@ -583,13 +583,7 @@ def _launch(args: argparse.Namespace, nproc: int, groups: int, worker_argv: List
         if quota:
             quota.remove()
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(timeout=5)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            stop_session(p, grace_s=5)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -68,7 +68,6 @@ import argparse
 import gc
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -76,6 +75,8 @@ import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from kaitian.bench.session import stop_session
 
 __all__ = ["main"]
 
@@ -317,23 +318,15 @@ def _run_job(cmd: List[str], timeout: float) -> Tuple[Optional[int], str]:
             if _PROGRESS in line:
                 print(line[line.index(_PROGRESS):], end="", flush=True)
 
-    def stop() -> None:
-        proc.terminate()  # kaitianrun stops its workers and cleans up, as on Ctrl-C
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         returncode: Optional[int] = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        stop()
+        stop_session(proc, grace_s=60)
         returncode = None
     except BaseException:  # Ctrl-C: the job runs in its own session, out of the terminal's reach
-        stop()
+        stop_session(proc, grace_s=60)
         raise
     reader.join()
     return returncode, "".join(lines)

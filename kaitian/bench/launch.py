@@ -28,6 +28,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from kaitian.bench.session import stop_session
+
 __all__ = ["main"]
 
 # The worker is this module (``--worker``), run by the launcher under test (bench convention).
@@ -83,13 +85,7 @@ def _one(launcher: str, flags: List[str], nproc: int, backend: str, recover: boo
             proc.wait(timeout=timeout)
             return _last_time(again) - killed
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=35)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop_session(proc, grace_s=35)
 
 
 def _worker(out: str, mode: str, backend: str) -> int:

@@ -50,6 +50,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from kaitian.bench.session import stop_session
+
 __all__ = ["main"]
 
 _MODES = {
@@ -242,17 +244,14 @@ def _one(mode: str, args) -> dict:
             if args.device != "cpu":  # the job ends once the device's worker trained again: its rejoin
                 while rejoin()["rejoin_s"] is None and proc.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.05)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stop_session(proc)
                 return {**_measure(_steps(out), killed, args, complete=False), **rejoin()}
             code = proc.wait(timeout=args.timeout)
             if code != 0:
                 raise RuntimeError(f"{mode}: the job failed after the kill (exit code {code}){_output_end(log_path)}")
             return {**_measure(_steps(out), killed, args), **rejoin()}
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_session(proc)
 
 
 def _output_end(log_path: str) -> str:
