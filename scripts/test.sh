@@ -15,7 +15,9 @@ case $KAITIAN_VENV in /*) venv=$KAITIAN_VENV ;; *) venv=$PWD/$KAITIAN_VENV ;; es
 export PATH="$venv/bin:$PATH"
 py=$venv/bin/python
 eval "set -- ${PYTEST_ARGS:-tests}"
-parallel=("$py" -m pytest -n "${JOBS:-2}" --dist loadfile -m "not serial" "$@")
+# A worker that crashes fails the test it ran, named, and is not replaced: a replacement under
+# --dist loadfile can wait forever for work (pytest-xdist #1327: CI once sat idle 15 minutes, until stopped).
+parallel=("$py" -m pytest -n "${JOBS:-2}" --dist loadfile --max-worker-restart 0 -m "not serial" "$@")
 serial=("$py" -m pytest -m serial "$@")
 
 # none_here EXIT PASS: pytest's "N deselected / 0 selected" for a pass with none of its kind
