@@ -30,8 +30,6 @@ def _cuda_check():
     return module
 
 
-
-
 def _train_powersgd(check) -> None:
     model = DistributedDataParallel(check._model())
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
@@ -41,9 +39,10 @@ def _train_powersgd(check) -> None:
 
 
 def powersgd_where_cuda_is_available(store: str) -> None:
-    """The test's body, in a process of its own: DDP with a comm hook keeps its gloo group (and the
-    group's threads) alive after the group is destroyed, and a hook's callback that runs late on one
-    of those threads once collected garbage there and aborted the test worker (seen in CI)."""
+    """The test's body, in a process of its own. DDP with a comm hook keeps its gloo group, and the
+    group's threads, alive after the group is destroyed; the hook's callbacks run on those threads and
+    collect garbage there. In CI a test worker aborted in the next test, while a thread with no Python
+    frame was collecting garbage (one of those, it seems): no test worker keeps such a group now."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     check = _cuda_check()
     torch.cuda.is_available = lambda: True
