@@ -19,17 +19,18 @@ def _run(*args, timeout=180):
         cleanup(run)
 
 
-def _unequal_before_the_slowdown(history, slow_from=80, apart=2.0):
-    """The rounds before the slowdown whose fitted costs of an equal share (64 samples) are more
-    than ``apart`` times apart: the machine, not the script, made one rank slower (CI, this
-    host's serial pass beside the other lanes, measured 4.8 against 13.2 ms at step 29). Costs
-    up to 2x apart split 43:85 at most, inside the band the test allows; beside a CI run, this
-    machine's rounds measured them 1.5-1.7x apart."""
+def _unequal_before_the_slowdown(history, slow_from=80, band=24):
+    """The rounds before the slowdown whose fitted step costs, fixed part included, balance
+    the 128 samples more than ``band`` away from an equal split: the machine, not the script,
+    made one rank slower. CI's serial pass beside the other lanes once measured 4.8 against
+    13.2 ms at step 29, and once fitted 0.96 ms fixed + 0.08 ms a sample against 0.21 ms a
+    sample, which balance at 89:39 though at 64 samples they are only 2.2x apart."""
     unequal = []
-    for step, _, _, _, fixed, per_sample in history:
-        costs = [f + b * 64 for f, b in zip(fixed, per_sample)]
-        if step < slow_from and min(costs) > 0 and max(costs) > apart * min(costs):
-            unequal.append((step, [round(c, 2) for c in costs]))
+    for step, _, _, _, (f0, f1), (b0, b1) in history:
+        if step < slow_from and b0 > 0 and b1 > 0:
+            balanced = (f1 + b1 * 128 - f0) / (b0 + b1)  # rank 0's share: f0 + b0 a = f1 + b1 (128 - a)
+            if abs(balanced - 64) > band:
+                unequal.append((step, round(balanced)))
     return unequal
 
 
@@ -43,12 +44,12 @@ def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
     if first:
         r0, r1 = _run("--steps", "240", "--slow-from", "80")
         again = _unequal_before_the_slowdown(r0["history"])
-        assert not again, f"the machine made the equal ranks unequal in two runs (step, ms at 64): {first}; {again}"
+        assert not again, f"the machine made the equal ranks unequal in two runs (step, rank 0's balanced share): {first}; {again}"
     assert (r0["every"], r0["seconds"]) == (25, 10.0)
     assert r0["history"] == r1["history"], "ranks disagree on the split"
     assert [a + b for a, b in zip(r0["sizes"], r1["sizes"])] == [128] * 240
     before = r0["sizes"][70:80]
-    # Measured within 2x of each other: within 3/8 of an equal split (CI saw 46:82).
+    # Measured to balance within 3/8 of an equal split, the split stays there (CI saw 46:82).
     assert all(abs(b - 64) <= 24 for b in before), (before, r0["history"])
     after = sorted(r0["sizes"][80 + 75:])
     # Ideal 5:1 = 107 of 128. Most steps hold most of it; none goes back to an equal split
