@@ -37,8 +37,12 @@ def test_a_small_run_shows_each_cycle_then_the_table(tmp_path):
     assert 0 <= out.index("cycle 1/2 done") < out.index("cycle 2/2 done") < out.index("ideal (best subset)")
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["world"] == 2 and sorted(result["history"]) == sorted(["solo", "alone", "local", "equal", "static",
-                                                                          "rebalance"])
+                                                                          "rebalance", "lockstep"])
     assert all(len(result["history"][m]) == 2 for m in ("equal", "static", "rebalance"))
+    # every solo epoch tells how much of the solos' sum a lock-step job can keep at its steps' variation
+    shares = result["history"]["lockstep"]
+    assert len(shares) == len(result["history"]["solo"]) and all(0 < s <= 1 for _, s in shares), shares
+    assert "lock-step share: " in out
 
 
 def test_a_job_past_its_timeout_is_stopped_with_its_workers():
