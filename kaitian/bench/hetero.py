@@ -94,7 +94,6 @@ __all__ = ["main"]
 
 _MODES = ("solo", "alone", "local", "equal", "static", "rebalance")
 _PARALLEL = _MODES[1:]
-_SHARES = ("lockstep",)  # read from the solo epochs beside their throughput (lockstep_share)
 _TURN = ("alone", "rebalance", "local", "solo")  # compared epoch by epoch: one of each per turn
 _PROGRESS = "kaitian bench hetero: cycle "  # the worker's progress lines, passed through by the driver
 _LABELS = {
@@ -264,7 +263,8 @@ def _worker(args: argparse.Namespace) -> int:
         sampler.set_epoch(sampler.epoch + 1)
         return train(model, opt, sampler.epoch_batches())
 
-    history = {m: [] for m in _MODES + _SHARES}  # (cycle, samples/s) of every phase; (cycle, share)
+    # (cycle, samples/s) of every phase; "lockstep": (cycle, lockstep_share) of each solo epoch
+    history = {m: [] for m in (*_MODES, "lockstep")}
     solo_rates: List[float] = []
     fastest = 0  # the rank the alone and plain local modes train on, by its solo rate
     epoch = 0

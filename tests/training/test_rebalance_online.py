@@ -22,9 +22,9 @@ def _run(*args, timeout=180):
 def _unequal_before_the_slowdown(history, slow_from=80, band=24):
     """The rounds before the slowdown whose fitted step costs, fixed part included, balance
     the 128 samples more than ``band`` away from an equal split: the machine, not the script,
-    made one rank slower. CI's serial pass beside the other lanes once measured 4.8 against
-    13.2 ms at step 29, and once fitted 0.96 ms fixed + 0.08 ms a sample against 0.21 ms a
-    sample, which balance at 89:39 though at 64 samples they are only 2.2x apart."""
+    made one rank slower (CI's serial pass beside the other lanes once measured 4.8 against
+    13.2 ms at step 29). Costs not far apart at 64 samples can balance far from it: a CI round's
+    0.96 ms fixed + 0.08 ms a sample against 0.21 ms a sample, 2.2x apart, balance at 89:39."""
     unequal = []
     for step, _, _, _, (f0, f1), (b0, b1) in history:
         if step < slow_from and b0 > 0 and b1 > 0:
@@ -44,7 +44,8 @@ def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
     if first:
         r0, r1 = _run("--steps", "240", "--slow-from", "80")
         again = _unequal_before_the_slowdown(r0["history"])
-        assert not again, f"the machine made the equal ranks unequal in two runs (step, rank 0's balanced share): {first}; {again}"
+        assert not again, (f"the machine made the equal ranks unequal in two runs (step, rank 0's balanced share): "
+                           f"{first}; {again}")
     assert (r0["every"], r0["seconds"]) == (25, 10.0)
     assert r0["history"] == r1["history"], "ranks disagree on the split"
     assert [a + b for a, b in zip(r0["sizes"], r1["sizes"])] == [128] * 240
