@@ -10,7 +10,8 @@ and removes the directory.
 
 A run that fails keeps its worker logs: ``finish(succeeded=False)`` removes
 everything but the default log directory and the agent record, so the
-directory is no longer a run to collect; only a successful run removes it all.
+directory is no longer a run to collect; only a successful run, or one whose
+workers wrote nothing to read, removes it all.
 """
 
 from __future__ import annotations
@@ -146,10 +147,11 @@ class RunDir:
             succeeded: whether the job finished successfully.
 
         Returns:
-            The kept log directory, or ``None`` (success, or no log was written).
+            The kept log directory, or ``None`` (success, or every log file empty: a
+            directory of empty files would only be left behind).
         """
         logs = os.path.join(self.path, "logs")
-        kept = not succeeded and any(files for _, _, files in os.walk(logs))
+        kept = not succeeded and any(_size(os.path.join(d, f)) for d, _, files in os.walk(logs) for f in files)
         if not kept:
             self.remove()
             return None
@@ -164,6 +166,13 @@ class RunDir:
                     except OSError:
                         pass
         return logs
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def record_pid_namespace(run_dir: str, pid_ns: int) -> None:

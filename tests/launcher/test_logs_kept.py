@@ -1,6 +1,7 @@
 """A failed run keeps its default log directory (and says where); only a
-successful one removes it. kaitianrun with -r 3 and no --log-dir, local runtime
-(the docker runtime's twin is in tests/docker/test_docker_e2e.py)."""
+successful one, or one whose workers wrote nothing, removes it. kaitianrun with
+-r 3 and no --log-dir, local runtime (the docker runtime's twin is in
+tests/docker/test_docker_e2e.py)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def test_a_users_log_dir_is_theirs(tmp_path):
     assert proc.returncode == 1 and not KEPT.search(stderr)
     assert run_dirs(proc.pid) == []
     assert glob.glob(str(log_dir / "**" / "stdout.log"), recursive=True)
+
+
+def test_a_failed_run_whose_workers_wrote_nothing_keeps_nothing(tmp_path):
+    """Its log files are all empty: nothing to read, so nothing is kept or announced."""
+    cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--standalone", "--nproc-per-node", "2",
+           "--monitor-interval", "0.2", "-r", "3", "--no-python", "sh", "-c", "exit 3"]
+    proc = subprocess.Popen(cmd, env=repo_env(), cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 1 and "exitcode  : 3" in stderr, stderr[-2000:]
+    assert not KEPT.search(stderr), stderr[-2000:]
+    assert run_dirs(proc.pid) == []
