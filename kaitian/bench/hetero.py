@@ -43,8 +43,8 @@ every rank's share in proportion to its speed and no overhead at all would keep
 ``1 / E[max_r t_r / mean(t_r)]`` of the solos' sum (every combination of the
 ranks' steps in the epoch equally likely). On this 2-core VM one process alone
 on an idle core varied its step by 8-16 % (the same batch, the same weights);
-the default run's share was 96.7 % (2026-12-06). Re-balancing is also reported
-against it: an estimate from a few steps, not a bound.
+two default runs' shares were 96.7 and 96.5 % (2026-12-06). Re-balancing is
+also reported against it: an estimate from a few steps, not a bound.
 
 A phase's time is its training ranks' (the slowest one's, from its epoch
 start, the re-balancer's round included, to its last step): a benched rank
