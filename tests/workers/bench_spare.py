@@ -5,7 +5,8 @@ device (a fake MLU: the state crosses between device and host both ways). fp64 M
 SGD with momentum and a per-batch LR schedule (handed to the spares with the
 optimizer: ``state=``), a loader that draws two batches ahead. Rank 1 has a
 fixed cost of ``--slow1`` s a step (a sleep: the busy time the re-balancer
-measures) and is benched; from epoch ``--turn`` on rank 0 costs ``--slow0`` s a
+measures; with ``--busy`` CPU time this thread spends, which stretches with the
+machine's load as the rank's real work does) and is benched; from epoch ``--turn`` on rank 0 costs ``--slow0`` s a
 step, so that rank 1 alone is faster: at the next epoch start rank 1 is
 called back and rank 0 benched. With ``--per-sample`` both costs are per sample
 instead: rank 1 is benched for the exchange it adds, and called back to train
@@ -51,6 +52,16 @@ class Delay(torch.nn.Module):
         return x
 
 
+def spend(seconds, busy):
+    """A scripted cost: a sleep, or (``busy``) this much of the thread's CPU time."""
+    if not busy:
+        time.sleep(seconds)
+        return
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def drawing_ahead(loader, ahead=2):
     """The loader's batches, the next ``ahead`` always drawn already (as DataLoader workers do)."""
     it = iter(loader)
@@ -68,6 +79,7 @@ def main():
     p.add_argument("--slow0", type=float, default=0.3)
     p.add_argument("--slow1", type=float, default=0.05)
     p.add_argument("--per-sample", action="store_true", help="--slow0 and --slow1 are seconds per sample")
+    p.add_argument("--busy", action="store_true", help="--slow0 and --slow1 are CPU time spent, not sleeps")
     p.add_argument("--every", type=int, default=25, help="the re-balancer's rounds: every this many steps")
     p.add_argument("--model-delay1", type=float, default=0.0, help="rank 1's model: seconds a forward ...")
     p.add_argument("--speedup", type=int, default=None, help="... until this epoch")
@@ -117,7 +129,7 @@ def main():
             slow *= len(xb) if args.per_sample else 1
             opt.zero_grad()
             out = model(xb.to(device))
-            time.sleep(slow)
+            spend(slow, args.busy)
             F.mse_loss(out, yb.to(device)).backward()
             opt.step()
             schedule.step()
