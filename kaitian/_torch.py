@@ -57,6 +57,7 @@ _LATE = {
     "LaunchConfig": ("torch.distributed.launcher.api", "LaunchConfig"),
     "get_addr_and_port": ("torch.distributed.launcher.api", "_get_addr_and_port"),
     "get_entrypoint_name": ("torch.distributed.launcher.api", "_get_entrypoint_name"),
+    "parse_rendezvous_endpoint": (_R + ".utils", "parse_rendezvous_endpoint"),
     # the agent
     "events": ("torch.distributed.elastic.events", None),
     "metrics": ("torch.distributed.elastic.metrics", None),

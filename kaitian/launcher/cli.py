@@ -208,14 +208,22 @@ def _resolve_rendezvous(args: argparse.Namespace) -> Optional[int]:
         ``PET_MASTER_PORT``) when given with a dynamic rendezvous (``c10d``,
         ``kaitian``), where torchrun would ignore it. With ``static`` it is the
         rendezvous store's own port, which outlives restarts; ``None`` then.
+
+    Raises:
+        UsageError: a malformed ``--nnodes``, a ``--master-port`` out of range.
     """
     explicit_port = args.master_port
+    try:
+        _, max_nodes = _te.parse_min_max_nnodes(args.nnodes)
+    except ValueError:
+        raise UsageError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX") from None
+    if explicit_port is not None and not 0 <= explicit_port < 2**16:
+        raise UsageError(f"--master-port {explicit_port}: a port is 0 to 65535")
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
         args.rdzv_id = str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        _, max_nodes = _te.parse_min_max_nnodes(args.nnodes)
         if max_nodes == 1:
             args.rdzv_backend = "c10d"
             args.rdzv_endpoint = "localhost:0"
@@ -225,6 +233,20 @@ def _resolve_rendezvous(args: argparse.Namespace) -> Optional[int]:
     if explicit_port is None or args.rdzv_backend == "static" or args.standalone:
         return None
     return int(explicit_port)
+
+
+def _check_config(config, args: argparse.Namespace) -> None:
+    """What torch checks only once the start is under way (with a traceback, the run directory made)."""
+    if config.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node {args.nproc_per_node}: a node starts at least 1 worker")
+    if config.monitor_interval <= 0:
+        raise UsageError(f"--monitor-interval {config.monitor_interval}: give seconds, more than 0")
+    try:
+        _te.parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=0)
+    except ValueError as e:
+        raise UsageError(f"--rdzv-endpoint {config.rdzv_endpoint!r}: {e}") from None
+    if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+        raise UsageError(f"--log-dir {args.log_dir}: is a file, not a directory")
 
 
 @_te.record
@@ -276,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
         config, cmd, cmd_args = _te.config_from_args(torch_args)
     except (AssertionError, RuntimeError, ValueError) as e:
         raise UsageError(str(e)) from None
+    _check_config(config, args)
     if node is None:
         node = node_workers(nproc_auto=False, nproc_per_node=config.nproc_per_node, **node_kwargs)
 

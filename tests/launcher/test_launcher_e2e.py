@@ -384,13 +384,23 @@ def test_killed_agent_takes_its_workers_and_leftovers_are_collected(tmp_path, mo
         ({}, ["--rdzv-backend", "zookeeper"], "--rdzv-backend zookeeper: unknown; registered:"),
         ({}, ["--image", "kaitian:cuda"], "--image 'kaitian:cuda': expected VENDOR_OR_GROUP=IMAGE"),
         ({}, ["--nproc-auto", "--cpu-quota", "0,1"], "--cpu-quota '0,1'"),
+        # torch's own checks of these raised a traceback, after the run directory was made
+        ({}, ["--nproc-per-node", "0"], "--nproc-per-node 0: "),
+        ({}, ["--nproc-per-node", "-2"], "--nproc-per-node -2: "),
+        ({}, ["--nnodes", "abc"], "--nnodes 'abc': "),
+        ({}, ["--monitor-interval", "-1"], "--monitor-interval -1.0: "),
+        ({}, ["--master-port", "-5"], "--master-port -5: "),
+        ({}, ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:70000"], "--rdzv-endpoint 'localhost:70000': "),
+        ({}, ["--log-dir", "FILE"], "is a file"),
     ],
     ids=["index", "malformed", "absent-vendor", "devices-flag", "groups", "unknown-flag", "missing-script",
-         "rdzv-backend", "image", "quota"],
+         "rdzv-backend", "image", "quota", "no-workers", "negative-workers", "nnodes", "monitor-interval",
+         "master-port", "rdzv-endpoint", "log-dir-file"],
 )
 def test_bad_input_one_line(tmp_path, env, args, needle):
     script = [] if "MISSING" in args else [_script("envdump.py"), str(tmp_path)]
-    argv = [str(tmp_path / "nope.py") if a == "MISSING" else a for a in args]
+    stand_in = {"MISSING": str(tmp_path / "nope.py"), "FILE": _script("envdump.py")}
+    argv = [stand_in.get(a, a) for a in args]
     proc = _run([*_kaitianrun(), *argv, *script], env=_env(**env))
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
