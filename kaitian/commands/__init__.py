@@ -7,6 +7,8 @@ benchmarks' imports.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 from typing import List, Optional
 
@@ -33,6 +35,34 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP, raised where the command is (as Ctrl-C's KeyboardInterrupt), so that its
+    cleanup runs: a benchmark stops the job it started in a session of its own and removes its folder."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _run(func, argv: List[str]) -> int:
+    """``func(argv)``; stopped by a signal, it ends by that signal once its cleanup ran, as Python ends on
+    Ctrl-C (a signal the caller ignores, nohup's SIGHUP say, stays ignored)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _raise_stopped)
+    try:
+        return int(func(argv) or 0)
+    except (KeyboardInterrupt, _Stopped) as stop:
+        signum = stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum  # (not reached: the signal ends the process)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -42,7 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if tuple(argv[: len(words)]) == words:
             module_name, func_name = target.split(":")
             func = getattr(importlib.import_module(module_name), func_name)
-            return int(func(argv[len(words):]) or 0)
+            return _run(func, argv[len(words):])
     print(f"kaitian: unknown command {' '.join(argv[:2])!r}; run `kaitian --help`", file=sys.stderr)
     return 2
 

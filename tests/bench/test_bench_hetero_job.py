@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from support import REPO
 
 LONG = ["--cycles", "1000", "--hidden", "1024", "--batch-size", "2048"]  # about a second a cycle
@@ -60,16 +62,22 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_stops_the_job_it_started_in_its_own_session():
-    proc = subprocess.Popen(**_command(*LONG), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_the_job_it_started_in_its_own_session_and_leaves_nothing(tmp_path, sig):
+    """Ctrl-C, or the SIGTERM of ``timeout`` or ``kill``: the job (out of the terminal's reach in its own
+    session) stops with its workers, and the bench's folder goes (SIGTERM once left both behind)."""
+    command = _command(*LONG)
+    command["env"]["TMPDIR"] = str(tmp_path)
+    proc = subprocess.Popen(**command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=_sigint_as_in_a_terminal)
     try:
         assert any("cycle 1/1000 done" in line for line in proc.stdout)  # the job is under way
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) != 0
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == -sig  # ended by the signal, once it cleaned up
     finally:
         proc.kill()
     assert _workers() == []
+    assert not list(tmp_path.glob("kaitian-bench-hetero-*"))
 
 
 def test_a_timeout_that_is_not_positive_is_a_one_line_error():
