@@ -11,11 +11,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Dict, List
 
+import pytest
 import torch
 
 from support import repo_env, worker
@@ -75,8 +77,26 @@ def run_elastic(tmp_path, launcher_flags: List[str], worker_flags: List[str], ti
     out.mkdir()
     cmd = [sys.executable, "-m", "kaitian.launcher.cli", "--standalone", "--on-failure", "continue",
            *launcher_flags, worker("elastic_train"), "--out", str(out), *worker_flags]
-    proc = subprocess.run(cmd, env=repo_env(**env), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
-    return Run(proc.returncode, proc.stdout + proc.stderr, str(out))
+    proc = subprocess.Popen(cmd, env=repo_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, start_new_session=True)
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # Ctrl-C's way first (kaitianrun stops its workers), so that the failure shows where the job was
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+    run = Run(proc.returncode, stdout + stderr, str(out))
+    if timed_out:
+        events = [f"{e['member']} {e['kind']}: {e['detail']}" for e in run.events()[-12:]]
+        pytest.fail(f"the job ran past {timeout} s (last applied step {max(run.steps(), default=0)}); its last "
+                    "events:\n" + "\n".join(events) + "\nits output's end:\n" + run.output[-8000:], pytrace=False)
+    return run
 
 
 def expected_batches(epochs: int, global_batch: int, seed: int = 0, samples: int = DATASET) -> List[List[int]]:
