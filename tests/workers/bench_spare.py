@@ -6,9 +6,9 @@ SGD with momentum and a per-batch LR schedule (handed to the spares with the
 optimizer: ``state=``), a loader that draws two batches ahead. Rank 1 has a
 fixed cost of ``--slow1`` s a step (a sleep: the busy time the re-balancer
 measures; with ``--busy`` CPU time this thread spends, which stretches with the
-machine's load as the rank's real work does) and is benched; from epoch ``--turn`` on rank 0 costs ``--slow0`` s a
-step, so that rank 1 alone is faster: at the next epoch start rank 1 is
-called back and rank 0 benched. With ``--per-sample`` both costs are per sample
+machine's load as the rank's real work does) and is benched; from epoch
+``--turn`` on rank 0 costs ``--slow0`` s a step, so that rank 1 alone is faster: at
+the next epoch start rank 1 is called back and rank 0 benched. With ``--per-sample`` both costs are per sample
 instead: rank 1 is benched for the exchange it adds, and called back to train
 beside rank 0 (their rounds must then stay in step, every ``--every`` steps). With
 ``--model-delay1 S`` rank 1's model itself takes S s a forward (what its probe sees while
