@@ -210,15 +210,13 @@ def _resolve_rendezvous(args: argparse.Namespace) -> Optional[int]:
         rendezvous store's own port, which outlives restarts; ``None`` then.
 
     Raises:
-        UsageError: a malformed ``--nnodes``, a ``--master-port`` out of range.
+        UsageError: a malformed ``--nnodes``.
     """
     explicit_port = args.master_port
     try:
         _, max_nodes = _te.parse_min_max_nnodes(args.nnodes)
     except ValueError:
         raise UsageError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX") from None
-    if explicit_port is not None and not 0 <= explicit_port < 2**16:
-        raise UsageError(f"--master-port {explicit_port}: a port is 0 to 65535")
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
@@ -241,6 +239,8 @@ def _check_config(config, args: argparse.Namespace) -> None:
         raise UsageError(f"--nproc-per-node {args.nproc_per_node}: a node starts at least 1 worker")
     if config.monitor_interval <= 0:
         raise UsageError(f"--monitor-interval {config.monitor_interval}: give seconds, more than 0")
+    if not 0 <= args.master_port < 2**16:  # before the endpoint, which a static rendezvous makes of it
+        raise UsageError(f"--master-port {args.master_port}: a port is 0 to 65535")
     try:
         _te.parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=0)
     except ValueError as e:
