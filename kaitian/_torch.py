@@ -60,6 +60,7 @@ _LATE = {
     "parse_rendezvous_endpoint": (_R + ".utils", "parse_rendezvous_endpoint"),
     # the agent
     "events": ("torch.distributed.elastic.events", None),
+    "event_log_handlers": ("torch.distributed.elastic.events.handlers", "_log_handlers"),  # name -> handler
     "metrics": ("torch.distributed.elastic.metrics", None),
     "LocalElasticAgent": (_AGENT + ".local_elastic_agent", "LocalElasticAgent"),
     "RunResult": (_AGENT + ".api", "RunResult"),

@@ -247,6 +247,10 @@ def _check_config(config, args: argparse.Namespace) -> None:
         raise UsageError(f"--rdzv-endpoint {config.rdzv_endpoint!r}: {e}") from None
     if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
         raise UsageError(f"--log-dir {args.log_dir}: is a file, not a directory")
+    handler = _te.launch_option(config, "event_log_handler")
+    if handler is not None and handler not in _te.event_log_handlers:
+        known = ", ".join(sorted(_te.event_log_handlers))
+        raise UsageError(f"--event-log-handler {handler!r}: unknown; registered: {known}")
 
 
 @_te.record

@@ -392,10 +392,11 @@ def test_killed_agent_takes_its_workers_and_leftovers_are_collected(tmp_path, mo
         ({}, ["--master-port", "-5"], "--master-port -5: "),
         ({}, ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:70000"], "--rdzv-endpoint 'localhost:70000': "),
         ({}, ["--log-dir", "FILE"], "is a file"),
+        ({}, ["--event-log-handler", "bogus"], "--event-log-handler 'bogus': unknown; registered: console, "),
     ],
     ids=["index", "malformed", "absent-vendor", "devices-flag", "groups", "unknown-flag", "missing-script",
          "rdzv-backend", "image", "quota", "no-workers", "negative-workers", "nnodes", "monitor-interval",
-         "master-port", "rdzv-endpoint", "log-dir-file"],
+         "master-port", "rdzv-endpoint", "log-dir-file", "event-log-handler"],
 )
 def test_bad_input_one_line(tmp_path, env, args, needle):
     script = [] if "MISSING" in args else [_script("envdump.py"), str(tmp_path)]
