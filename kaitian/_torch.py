@@ -147,6 +147,8 @@ LAUNCH_AGENT_DIFFERENCES = (
     "the agent is KaitianAgent(spec, config, request, monitor), not LocalElasticAgent",
     "the rendezvous handler is wrapped in KaitianRendezvousHandler, which leaves ranks to the agent",
     "WorkerSpec and the agent get only the arguments this torch takes (call_supported)",
+    "WorkerSpec gets no numa_options: each worker's cores come from its own device (kaitian.devices.numa), "
+    "where torch binds local rank i to CUDA device i's NUMA node",
     "TORCHELASTIC_SIGNALS_TO_HANDLE is set only by a torch whose LaunchConfig has signals_to_handle",
     "no health_check_server argument and no early health-check server (torch 2.13+: an internal knob)",
     "torch's 'Starting elastic_operator' log of the config is not repeated",

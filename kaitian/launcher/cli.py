@@ -284,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_groups=args.cpu_groups,
         cpu_quota=cpu_quota,
         own_device_only=bool(getattr(args, "virtual_local_rank", False)),  # torch 2.10+
+        numa_binding=getattr(args, "numa_binding", None),  # torch 2.9+
     )
     node = None
     if args.nproc_auto:

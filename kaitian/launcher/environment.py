@@ -57,7 +57,7 @@ def worker_environment(
         worker.device, run_dir=attempt.start_dir, job_key=attempt.job_key, agent_version=versions(),
         capability=None if capability is None else float(capability), monitor_dir=request.monitor_dir, **elastic,
     ).to_env())
-    if worker.cpus and not request.omp_from_user:
+    if worker.cpus and worker.device.type == "cpu" and not request.omp_from_user:
         env["OMP_NUM_THREADS"] = str(len(worker.cpus))
     if attempt.agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # an agent serves it: rank 0 must not

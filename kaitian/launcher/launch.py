@@ -93,7 +93,6 @@ def launch_agent(
         master_port=master_port,
         local_addr=config.local_addr,
         event_log_handler=_te.launch_option(config, "event_log_handler"),
-        numa_options=_te.launch_option(config, "numa_options"),
         duplicate_stdout_filters=_te.launch_option(config, "duplicate_stdout_filters"),
         duplicate_stderr_filters=_te.launch_option(config, "duplicate_stderr_filters"),
         virtual_local_rank=_te.launch_option(config, "virtual_local_rank"),

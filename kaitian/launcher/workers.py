@@ -6,6 +6,8 @@ N`` keeps torchrun's meaning (N workers, no pinning); worker ``i`` gets the
 ``i``-th selected accelerator, or is a CPU worker when there is none.
 ``--cpu-groups`` splits the CPU workers into simulated vendor groups
 ``cpu0``, ``cpu1``, … and ``--cpu-quota`` gives each group its CPU time.
+``--numa-binding`` pins each accelerator's worker to host cores near its
+device (:mod:`kaitian.devices.numa`).
 
 A worker is one :class:`LocalWorker` from here to the runtime (its device
 also travels through the rendezvous and, in the worker's environment, to the
@@ -21,6 +23,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kaitian.devices.device import Device, WorkerDevice
 from kaitian.devices.inventory import discover, parse_devices_flag, select
+from kaitian.devices.numa import numa_binding as bind_near
 from kaitian.errors import NodeWorkersError
 
 __all__ = ["LocalWorker", "NodeWorkers", "NodeWorkersError", "parse_cpu_quota", "node_workers"]
@@ -36,8 +39,10 @@ class LocalWorker:
         local_rank: its rank on this node.
         device: its device (physical index; CPU: slot index) and kaitian
             group (``cpu0`` … for simulated groups, else the device type).
-        cpus: cores it is pinned to, and runs as many OpenMP threads on
-            (empty: not pinned, torchrun's ``OMP_NUM_THREADS``).
+        cpus: cores it is pinned to (empty: not pinned). A CPU worker's are
+            its compute, and it runs as many OpenMP threads; an accelerator's
+            (``--numa-binding``) are near its device, and it keeps torchrun's
+            ``OMP_NUM_THREADS``.
     """
 
     local_rank: int
@@ -109,6 +114,7 @@ def node_workers(
     cpu_groups: Optional[int] = None,
     cpu_quota: Optional[Sequence[float]] = None,
     own_device_only: bool = False,
+    numa_binding: Optional[str] = None,
     env: Optional[Mapping[str, str]] = None,
     devices: Optional[List[Device]] = None,
 ) -> NodeWorkers:
@@ -122,6 +128,7 @@ def node_workers(
         cpu_groups: ``--cpu-groups``.
         cpu_quota: ``--cpu-quota`` values (one, or one per CPU group).
         own_device_only: ``--virtual-local-rank``.
+        numa_binding: torchrun's ``--numa-binding`` mode, or ``None``.
         env: environment holding ``USE_<VENDOR>`` and the host's visibility
             variables (default ``os.environ``).
         devices: the inventory (default: discovered, physical indices).
@@ -157,12 +164,18 @@ def node_workers(
     groups = dict.fromkeys(group_of.values())  # in order: cpu0, cpu1, … (or cpu)
     quotas = {g: cpu_quota[j if len(cpu_quota) > 1 else 0] for j, g in enumerate(groups)} if cpu_quota else {}
 
+    cpus = [tuple(dev.cpus) if nproc_auto and dev.type == "cpu" else () for dev in chosen]
+    if numa_binding:
+        if not nproc_auto and cpu_positions:
+            raise NodeWorkersError(
+                f"--numa-binding {numa_binding}: CPU workers are bound as CPU slots, one per NUMA node: "
+                "use --nproc-auto (USE_CPU, --cpu-slots)"
+            )
+        accel_positions = [i for i, dev in enumerate(chosen) if dev.type != "cpu"]
+        for i, near in zip(accel_positions, bind_near([chosen[i] for i in accel_positions], numa_binding)):
+            cpus[i] = near
     workers = tuple(
-        LocalWorker(
-            local_rank=i,
-            device=dev.worker_device(group_of.get(i)),
-            cpus=tuple(dev.cpus) if nproc_auto and dev.type == "cpu" else (),
-        )
+        LocalWorker(local_rank=i, device=dev.worker_device(group_of.get(i)), cpus=cpus[i])
         for i, dev in enumerate(chosen)
     )
     return NodeWorkers(workers, quotas, hide_other_vendors=nproc_auto, own_device_only=own_device_only)

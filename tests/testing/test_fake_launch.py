@@ -89,3 +89,24 @@ def test_plain_torchrun_ranks_on_two_of_four_mlus_use_torchs_ordinals():
                 RANK="1", WORLD_SIZE="2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["mlu:1", "mlu:1"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_numa_binding_pins_each_accelerator_worker_near_its_own_device(tmp_path):
+    """torch binds local rank i to CUDA device i's NUMA node; kaitian binds each worker by its own device.
+    Two fake MLUs (near the host's first NUMA node) under ``exclusive`` split that node's physical cores
+    and keep torchrun's OMP_NUM_THREADS; the CPU slot keeps its cores and runs as many threads."""
+    from kaitian.devices.vendors.cpu import numa_nodes
+
+    nodes = numa_nodes()
+    node = set(nodes[min(nodes)])
+    assert len(node) >= 2, f"the premise: two cores on the first NUMA node, not {sorted(node)}"
+    proc = _run(["-m", "kaitian.launcher.cli", "--nproc-auto", "--cpu-slots", "1", "--numa-binding", "exclusive",
+                 worker("envdump"), str(tmp_path)], KAITIAN_FAKE_ACCELERATOR="mlu:2", USE_MLU="0,1", USE_CPU="0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.load(open(tmp_path / f"env.{r}.json")) for r in range(3)]
+    cores = [set(map(int, r["_AFFINITY"].split(","))) for r in recs]
+    assert [r["KAITIAN_DEVICE_TYPE"] for r in recs] == ["mlu", "mlu", "cpu"]
+    assert cores[0] and cores[1] and not cores[0] & cores[1] and cores[0] | cores[1] == node, cores
+    slot = {c for cs in nodes.values() for c in cs}  # one slot: every core
+    assert cores[2] == slot and recs[2]["OMP_NUM_THREADS"] == str(len(slot)), recs[2]
+    assert recs[0]["OMP_NUM_THREADS"] == recs[1]["OMP_NUM_THREADS"] == "1"

@@ -85,17 +85,14 @@ def test_options_from_flags_checks_values():
 def test_runtime_options_are_typed_and_built_once_from_the_command_line():
     from kaitian.launcher.cli import build_parser
     from kaitian.launcher.runtimes import RuntimeOptions, options_from_args
-    from kaitian.launcher.runtimes.local import LocalOptions
 
     args = build_parser().parse_args(["--runtime", "docker", "--image", "cpu=x:1", "-v", "/d:/e:ro",
                                       "--container-user", "root", "--keep-containers", "t.py"])
-    config = type("Config", (), {"duplicate_stdout_filters": ["a"], "duplicate_stderr_filters": None,
-                                 "numa_options": None})()
+    config = type("Config", (), {"duplicate_stdout_filters": ["a"], "duplicate_stderr_filters": None})()
     opts = options_from_args(args, config)
     assert isinstance(opts, RuntimeOptions) and opts.duplicate_stdout_filters == ["a"]
     assert opts.of("docker", DockerOptions) == DockerOptions(images={"cpu": "x:1"}, keep_containers=True,
                                                              volumes=(Mount("/d", "/e", True),), user="0:0")
-    assert opts.of("local", LocalOptions).numa_options is None
     assert RuntimeOptions().of("docker", DockerOptions) == DockerOptions()  # a runtime's defaults
 
 

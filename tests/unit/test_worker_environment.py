@@ -14,6 +14,7 @@ from kaitian.launcher.request import LaunchRequest
 from kaitian.version import versions
 
 GPU = LocalWorker(1, WorkerDevice("cuda", 3, "cuda", "GPU-3"))
+BOUND_GPU = LocalWorker(1, GPU.device, (8, 9, 10, 11))  # --numa-binding
 CPU = LocalWorker(0, WorkerDevice("cpu", 0, "cpu0"), (4, 5))
 TORCH = {"RANK": "7", "LOCAL_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0", "CUDA_VISIBLE_DEVICES": "3"}
 # The container of GPUs 2 and 3, as docker's NVIDIA request numbers them.
@@ -50,6 +51,10 @@ CASES = {
     "local cpu": (CPU, _attempt(), _request(), {}, None, {
         "RANK": "6", "LOCAL_RANK": "0", **_kaitian(CPU.device), "OMP_NUM_THREADS": "2",
         "CUDA_VISIBLE_DEVICES": "", "MLU_VISIBLE_DEVICES": "",
+    }),
+    # a GPU worker bound near its device (--numa-binding): torchrun's OpenMP threads, not its cores
+    "local bound gpu": (BOUND_GPU, _attempt(), _request(), {}, None, {
+        **TORCH, **_kaitian(GPU.device, KAITIAN_CAPABILITY="4.0"), "MLU_VISIBLE_DEVICES": "",
     }),
     # in a container: the container's view of its devices replaces the host's
     "docker": (GPU, _attempt(), _request(), {}, GPUS_2_3, {

@@ -5,8 +5,9 @@ its device node, which is also ``cnmon``'s card number.
 
 ``KAITIAN_FAKE_ACCELERATOR=mlu:N`` puts N fake MLUs
 (:mod:`kaitian.testing.fake_accelerator`) in their place on a host without a
-real ``torch_mlu``: discovery lists them, and every process that imports
-kaitian gets them as ``torch.mlu``. A real ``torch_mlu`` wins over the variable.
+real ``torch_mlu``: discovery lists them, near the host's first NUMA node's
+cores, and every process that imports kaitian gets them as ``torch.mlu``. A
+real ``torch_mlu`` wins over the variable.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from kaitian.devices.device import ContainerDevices, Device, WorkerDevice
+from kaitian.devices.vendors.cpu import numa_nodes
 from kaitian.devices.vendors.pci import PCI_ROOT, find_function, normalise_bus_id, pci_functions
 from kaitian.devices.vendors.tools import run_tool
 from kaitian.errors import DeviceSelectionError
@@ -131,7 +133,9 @@ def probe(sys_root: Optional[str] = None, dev_root: Optional[str] = None) -> Lis
     """This host's MLUs: the fake ones if asked for, else ``cnmon``, else device nodes, else PCI sysfs."""
     fakes = fake_count()
     if fakes:
-        return [Device("mlu", i, "fake MLU", source=FAKE_SOURCE) for i in range(fakes)]
+        nodes = numa_nodes()
+        near = tuple(nodes[min(nodes)])
+        return [Device("mlu", i, "fake MLU", cpus=near, source=FAKE_SOURCE) for i in range(fakes)]
     sys_root, dev_root = sys_root or PCI_ROOT, dev_root or DEV_ROOT
     out = run_tool(["cnmon", "info"])
     if out is not None:

@@ -20,7 +20,6 @@ RUNTIMES = {
 # name -> the runtime's own options class (``from_args(args, config)``), in a
 # module that loads without the runtime itself.
 RUNTIME_OPTIONS = {
-    "local": "kaitian.launcher.runtimes.local:LocalOptions",
     "docker": "kaitian.launcher.runtimes.docker.options:DockerOptions",
 }
 

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from kaitian import _torch as _te
@@ -28,30 +27,16 @@ from kaitian.launcher.runtimes.cpu_limits import (
 )
 from kaitian.settings import settings
 
-__all__ = ["LocalRuntime", "LocalOptions"]
+__all__ = ["LocalRuntime"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LocalOptions:
-    """Options only the local runtime uses.
-
-    Attributes:
-        numa_options: torchrun's ``--numa-binding`` (a torch ``NumaOptions``), or ``None``.
-    """
-
-    numa_options: Optional[object] = None
-
-    @classmethod
-    def from_args(cls, args: object, config: object) -> "LocalOptions":
-        return cls(numa_options=getattr(config, "numa_options", None))
 
 
 class LocalRuntime(Runtime):
     """Runs workers as local subprocesses (pinned, optionally CPU-quota'd).
 
-    Reads its ``LocalOptions`` and the ``--duplicate-std*-filters`` of ``ctx.options``.
+    Reads the ``--duplicate-std*-filters`` of ``ctx.options``; torchrun's ``--numa-binding`` is each
+    worker's ``cpus`` (:mod:`kaitian.devices.numa`), pinned as a CPU worker's are.
     """
 
     name = "local"
@@ -86,7 +71,6 @@ class LocalRuntime(Runtime):
             logs_specs=job.logs_specs,
             log_line_prefixes=job.log_line_prefixes,
             start_method=job.start_method,
-            numa_options=opts.of(self.name, LocalOptions).numa_options,
             duplicate_stdout_filters=opts.duplicate_stdout_filters,
             duplicate_stderr_filters=opts.duplicate_stderr_filters,
         )
