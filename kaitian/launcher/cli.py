@@ -247,6 +247,11 @@ def _check_config(config, args: argparse.Namespace) -> None:
         raise UsageError(f"--rdzv-endpoint {config.rdzv_endpoint!r}: {e}") from None
     if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
         raise UsageError(f"--log-dir {args.log_dir}: is a file, not a directory")
+    if config.local_addr:
+        try:
+            socket.getaddrinfo(config.local_addr, None)
+        except OSError as e:  # (else every peer waits for it until the rendezvous times out)
+            raise UsageError(f"--local-addr {config.local_addr!r}: cannot be resolved ({e.strerror})") from None
     handler = _te.launch_option(config, "event_log_handler")
     if handler is not None and handler not in _te.event_log_handlers:
         known = ", ".join(sorted(_te.event_log_handlers))
