@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="CPU cores of time for groups cpu0,cpu1 (default 0.3,0.1: 3:1, low enough "
                    "that the quota, not other load on the machine, sets each group's speed)")
     p.add_argument("--gap", type=float, default=None,
-                   help="cpu1 gets cpu0's quota over this (e.g. --quota 1 --gap 10: 1,0.1)")
+                   help="cpu1 gets cpu0's quota over this; with one --quota value (e.g. --quota 1 --gap 10: 1,0.1)")
     p.add_argument("--batch-size", type=int, default=2048,
                    help="per-rank batch of the equal split (default 2048: the quota slows a "
                    "rank's per-step host work - DDP bookkeeping, gradient copies, optimizer - "
@@ -372,7 +372,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         quotas = [float(q) for q in args.quota.split(",")]
     except ValueError:
         quotas = []
-    if args.gap is not None and len(quotas) == 1 and args.gap >= 1:
+    if args.gap is not None:
+        if len(quotas) != 1 or not args.gap >= 1:  # (beside two values it would be ignored)
+            print("kaitian bench hetero: --gap G divides one --quota value (cpu0's cores), G >= 1, "
+                  "e.g. --quota 1 --gap 10", file=sys.stderr)
+            return 2
         quotas.append(quotas[0] / args.gap)
     if len(quotas) != 2 or min(quotas) <= 0:
         print("kaitian bench hetero: --quota needs two positive core counts, e.g. 0.3,0.1 "

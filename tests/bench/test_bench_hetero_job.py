@@ -84,3 +84,14 @@ def test_a_timeout_that_is_not_positive_is_a_one_line_error():
     proc = _bench("--timeout", "0")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("--timeout > 0")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [["--gap", "10"], ["--quota", "0.3,0.1", "--gap", "10"], ["--quota", "1", "--gap", "0.5"]],
+                         ids=["default-quota", "two-quotas", "below-one"])
+def test_a_gap_it_cannot_honour_is_a_one_line_error_not_another_ratio(args):
+    """``--gap`` divides cpu0's one ``--quota`` value: beside two values (the default 0.3,0.1 too) it was
+    ignored, and the run measured 3:1 for a user who asked for 10:1."""
+    proc = subprocess.run([sys.executable, "-m", "kaitian", "bench", "hetero", *args], capture_output=True,
+                          timeout=60, **{k: v for k, v in _command().items() if k != "args"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "--gap" in lines[0], proc.stderr + proc.stdout[-500:]
