@@ -455,12 +455,12 @@ def _validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.sizes:
         ap.error("--sizes is empty")
     if args.cpu_quota is not None:
-        from kaitian.errors import PlanError
-        from kaitian.launcher.plan import parse_cpu_quota
+        from kaitian.errors import NodeWorkersError
+        from kaitian.launcher.workers import parse_cpu_quota
 
         try:
             args.quotas = parse_cpu_quota(args.cpu_quota)
-        except PlanError as e:
+        except NodeWorkersError as e:
             ap.error(str(e))
         if len(args.quotas) != args.groups:
             ap.error(f"--cpu-quota has {len(args.quotas)} values for {args.groups} groups")
@@ -515,7 +515,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "mapped in (its own and the peers' it read); mapped: address space", flush=True)
         return 0
     groups_desc = [f"cpu{_group_of(r, args.nproc, args.groups)}" for r in range(args.nproc)]
-    print(f"kaitian bench collectives: {args.nproc} ranks on this host, groups {groups_desc}, "
+    quotas = getattr(args, "quotas", None)
+    limited = f" at {', '.join(f'{q:g}' for q in quotas)} cores of CPU time" if quotas else ""
+    print(f"kaitian bench collectives: {args.nproc} ranks on this host, groups {groups_desc}{limited}, "
           f"float32; latency = slowest rank's mean per call; busbw as nccl-tests", flush=True)
     return _launch(args, args.nproc, args.groups, base_argv)
 

@@ -44,6 +44,8 @@ def test_parse_size() -> None:
     (("--sizes", "4K,huge"), "not a size"),
     (("--nproc", "1"), "--nproc must be at least 2"),
     (("--groups", "3"), "--groups must be between 1 and --nproc"),
+    (("--cpu-quota", "-1"), "--cpu-quota '-1': give cores of CPU time per CPU group"),
+    (("--groups", "2", "--cpu-quota", "1"), "--cpu-quota has 1 values for 2 groups"),
 ])
 def test_bad_arguments_give_one_line(args, fragment) -> None:
     proc = _kaitian(*args, timeout=60)
@@ -63,6 +65,16 @@ def test_small_run_prints_both_backends_and_targets() -> None:
         assert kt_us > 0 and gloo_us > 0
         assert float(row[7]) == pytest.approx(kt_us / gloo_us, rel=0.02, abs=0.002)
     assert "DDP step" in proc.stdout and "allreduce 4 KiB latency <= 0.2x gloo" in proc.stdout, proc.stdout
+
+
+def test_cpu_quota_gives_each_group_its_cores() -> None:
+    """docs/backend.md's ``--cpu-quota 1,0.1 --stripes weighted``: any --cpu-quota raised an ImportError
+    (a module renamed under it) from 2026-12-05 to 12-07."""
+    proc = _kaitian("--groups", "2", "--cpu-quota", "1,0.5", "--stripes", "weighted", "--ops", "allreduce",
+                    "--sizes", "64K", "--iters", "3", "--ddp-steps", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "groups ['cpu0', 'cpu1'] at 1, 0.5 cores of CPU time" in proc.stdout, proc.stdout
+    assert "stripe weights from measured reduce speeds" in proc.stdout and "  weighted " in proc.stdout, proc.stdout
 
 
 def test_memory_line_shows_per_rank_shared_memory_independent_of_world_size() -> None:
