@@ -46,6 +46,7 @@ import warnings
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence
 
+from kaitian.bench import BenchParser
 from kaitian.bench.session import stop_session
 from kaitian.devices.device import WorkerDevice
 from kaitian.settings import Settings
@@ -400,16 +401,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments: one line on stderr, exit 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"{self.prog}: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="kaitian bench collectives",
+    ap = BenchParser(prog="kaitian bench collectives",
                                  description="kaitian vs gloo collectives and DDP step, same ranks, one run")
     ap.add_argument("--nproc", type=int, default=2, help="ranks to start on this host (default 2)")
     ap.add_argument("--groups", type=int, default=2, help="simulated vendor groups (default 2)")

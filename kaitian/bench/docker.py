@@ -34,6 +34,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
+from kaitian.bench import BenchParser
+
 __all__ = ["main", "run_bench"]
 
 
@@ -196,7 +198,7 @@ def _report(med: Dict[str, Dict[str, float]], args: argparse.Namespace) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kaitian bench docker", description=__doc__.split("\n\n")[0])
+    p = BenchParser(prog="kaitian bench docker", description=__doc__.split("\n\n")[0])
     p.add_argument("--image", action="append", default=[], metavar="VENDOR_OR_GROUP=IMAGE",
                    help="image for the docker runs (as kaitianrun --image); default: the vendor table's")
     p.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
@@ -254,7 +256,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return _worker(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if min(args.nproc, args.size_mb, args.iters, args.runs) < 1 or not args.timeout > 0:
+        parser.error("need --nproc, --size-mb, --iters and --runs >= 1, --timeout > 0")
+    if not 1 <= args.groups <= args.nproc:
+        parser.error(f"--groups must be between 1 and --nproc ({args.nproc})")
     try:
         med = run_bench(args)
     except (DockerRuntimeError, RuntimeError, subprocess.TimeoutExpired) as exc:

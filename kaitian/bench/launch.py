@@ -17,7 +17,6 @@ kaitianrun needs no switch. Target: kaitianrun <= 1.1x torchrun on both.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import signal
@@ -28,6 +27,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from kaitian.bench import BenchParser
 from kaitian.bench.session import stop_session
 
 __all__ = ["main"]
@@ -120,13 +120,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return _worker(*argv[1:4])
-    parser = argparse.ArgumentParser(prog="kaitian bench launch", description=__doc__.split("\n\n")[0])
+    parser = BenchParser(prog="kaitian bench launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="runs per launcher and measurement")
     parser.add_argument("--nproc", type=int, default=2, help="workers")
     parser.add_argument("--backend", default="gloo", help="process group backend of the worker")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--check", action="store_true", help="exit 1 if a ratio is above 1.1")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.nproc < 1 or not args.timeout > 0:
+        parser.error("need --repeats >= 1, --nproc >= 1, --timeout > 0")
 
     flags = ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "1"]
     results: Dict[str, Dict[str, List[float]]] = {

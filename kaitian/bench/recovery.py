@@ -50,6 +50,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from kaitian.bench import BenchParser
 from kaitian.bench.session import stop_session
 
 __all__ = ["main"]
@@ -323,7 +324,7 @@ def _seconds(value: Optional[float]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the benchmark and prints a table; returns 0 (1 if a target is missed with --check)."""
-    parser = argparse.ArgumentParser(prog="kaitian bench recovery", description=__doc__.split("\n\n")[0])
+    parser = BenchParser(prog="kaitian bench recovery", description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", choices=("continue", "restart"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--modes", default="continue,restart,torchrun", help="which modes to run")
@@ -345,6 +346,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args)
+    if min(args.repeats, args.epochs, args.samples, args.batch_size, args.width, args.hidden,
+           args.checkpoint_every, args.kill_at) < 1 or not args.timeout > 0:
+        parser.error("need --repeats, --epochs, --samples, --batch-size, --width, --hidden, --checkpoint-every "
+                     "and --kill-at >= 1, --timeout > 0")
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(_MODES))
     if unknown:
@@ -353,6 +358,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "torchrun" in modes:
             parser.error("--device: torchrun has no device selection of kaitian's; use --modes continue,restart")
         args.nproc = 2  # the device's worker and one CPU worker (one CPU slot)
+    elif args.nproc < 2:
+        parser.error(f"--nproc {args.nproc}: two simulated vendor groups need at least 2 workers")
+    steps = -(-args.samples // (args.batch_size * args.nproc)) * args.epochs
+    if args.kill_at >= steps:
+        parser.error(f"--kill-at {args.kill_at}: the job has {steps} steps; kill before its last")
     results: Dict[str, List[dict]] = {m: [] for m in modes}
     for i in range(args.repeats):
         for mode in (modes if i % 2 == 0 else list(reversed(modes))):
