@@ -315,6 +315,12 @@ def run(args: argparse.Namespace) -> int:
     if args.runtime == "local" and node.cpu_quotas:
         quota_mode(settings().cpu_quota_mode)  # fails here, before anything starts
     runtime_options = options_from_args(args, config)  # every runtime flag checked before anything starts
+    docker_flags = [flag for flag, given in (
+        ("--image", args.image), ("--keep-containers", args.keep_containers), ("--volume", args.volume),
+        ("--shm-size", args.shm_size != "2g"), ("--container-user", args.container_user)) if given]
+    if docker_flags and args.runtime != "docker":
+        raise UsageError(f"{', '.join(docker_flags)}: the docker runtime's flags; add --runtime docker "
+                         f"(or unset their PET_* variables)")
     collect_stale()
     stale = runtime_class(args.runtime).collect_stale()
     if stale:

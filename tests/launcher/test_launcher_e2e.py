@@ -393,6 +393,8 @@ def test_killed_agent_takes_its_workers_and_leftovers_are_collected(tmp_path, mo
         ({}, ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:70000"], "--rdzv-endpoint 'localhost:70000': "),
         ({}, ["--log-dir", "FILE"], "is a file"),
         ({}, ["--event-log-handler", "bogus"], "--event-log-handler 'bogus': unknown; registered: console, "),
+        # the docker runtime's flags did nothing to a local run
+        ({}, ["--keep-containers", "--shm-size", "8g"], "--keep-containers, --shm-size: the docker runtime's flags;"),
         # torch (and torchrun) waited, unreachable, until the rendezvous timed out
         ({}, ["--local-addr", "999.1.1.1"], "--local-addr '999.1.1.1': cannot be resolved ("),
         # torch binds by local rank to CUDA devices (a traceback without one); kaitian by each worker's device
@@ -401,7 +403,7 @@ def test_killed_agent_takes_its_workers_and_leftovers_are_collected(tmp_path, mo
     ids=["index", "malformed", "absent-vendor", "devices-flag", "groups", "unknown-flag", "missing-script",
          "rdzv-backend", "image", "quota", "no-workers", "negative-workers", "nnodes", "monitor-interval",
          "master-port", "rdzv-endpoint", "log-dir-file", "event-log-handler",
-         "local-addr", "numa-binding"],
+         "docker-flags-local", "local-addr", "numa-binding"],
 )
 def test_bad_input_one_line(tmp_path, env, args, needle):
     script = [] if "MISSING" in args else [_script("envdump.py"), str(tmp_path)]
