@@ -403,7 +403,7 @@ def _free_port() -> int:
 
 def _parser() -> argparse.ArgumentParser:
     ap = BenchParser(prog="kaitian bench collectives",
-                                 description="kaitian vs gloo collectives and DDP step, same ranks, one run")
+                     description="kaitian vs gloo collectives and DDP step, same ranks, one run")
     ap.add_argument("--nproc", type=int, default=2, help="ranks to start on this host (default 2)")
     ap.add_argument("--groups", type=int, default=2, help="simulated vendor groups (default 2)")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")

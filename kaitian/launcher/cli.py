@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         ("--shm-size", args.shm_size != "2g"), ("--container-user", args.container_user)) if given]
     if docker_flags and args.runtime != "docker":
         raise UsageError(f"{', '.join(docker_flags)}: the docker runtime's flags; add --runtime docker "
-                         f"(or unset their PET_* variables)")
+                         "(or unset their PET_* variables)")
     collect_stale()
     stale = runtime_class(args.runtime).collect_stale()
     if stale:

@@ -86,8 +86,8 @@ def test_a_timeout_that_is_not_positive_is_a_one_line_error():
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args", [["--gap", "10"], ["--quota", "0.3,0.1", "--gap", "10"], ["--quota", "1", "--gap", "0.5"]],
-                         ids=["default-quota", "two-quotas", "below-one"])
+@pytest.mark.parametrize("args", [["--gap", "10"], ["--quota", "0.3,0.1", "--gap", "10"],
+                                  ["--quota", "1", "--gap", "0.5"]], ids=["default-quota", "two-quotas", "below-one"])
 def test_a_gap_it_cannot_honour_is_a_one_line_error_not_another_ratio(args):
     """``--gap`` divides cpu0's one ``--quota`` value: beside two values (the default 0.3,0.1 too) it was
     ignored, and the run measured 3:1 for a user who asked for 10:1."""
