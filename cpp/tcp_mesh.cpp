@@ -77,7 +77,9 @@ void tune(int fd) {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
 }
 
-// Binds `host` on the first free port of the range (any port without one) and listens.
+// Binds `host` on the first free port of the range (any port without one) and listens. With
+// SO_REUSEADDR two ranks of a host may both bind a port nobody listens on yet: the first to listen
+// keeps it, and the other goes on to the next port as if its bind had failed.
 int listenOn(const MeshOptions& o, int backlog, std::string* advertised) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -90,12 +92,7 @@ int listenOn(const MeshOptions& o, int backlog, std::string* advertised) {
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     addr.sin_port = htons(static_cast<uint16_t>(port));
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-      if (::listen(fd, backlog) != 0) {
-        const int err = errno;
-        ::close(fd);
-        TORCH_CHECK(false, "kaitian: listen on ", o.host, " failed: ", errnoText(err));
-      }
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 && ::listen(fd, backlog) == 0) {
       socklen_t len = sizeof(addr);
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
       *advertised = addrText(addr);

@@ -18,6 +18,7 @@ import re
 import secrets
 import socket
 import struct
+import subprocess
 import threading
 import time
 
@@ -28,8 +29,9 @@ from kaitian.backend import factory
 from kaitian.settings import Settings, SettingError
 from support.ranks import Layout, cleanup, free_port, run_ranks, tail
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers",
-                      "bridge_allreduce.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(TESTS, "workers", "bridge_allreduce.py")
+SUPPORT = os.path.join(TESTS, "support")
 TCP = (("KAITIAN_BRIDGE", "tcp"),)
 MAGIC = b"KTBRIDGE"
 CHALLENGE = struct.Struct("<8sIII32s")  # magic, version, world size, server rank, server nonce
@@ -278,6 +280,30 @@ def test_bridge_ports_range_is_honoured():
         # rank 2 connected to the listening ports of ranks 0 and 1 (two channels each)
         listen = sorted({rp for lp, rp in rec["conns"] if rec["master_port"] not in (lp, rp)})
         assert len(listen) == 2 and all(lo < p <= hi for p in listen), (lo, hi, rec["conns"])
+    finally:
+        cleanup(run)
+
+
+def test_bridge_ports_lost_between_bind_and_listen_go_on_to_the_next(tmp_path, monkeypatch):
+    """Ranks of one host may bind the same free port of the range (SO_REUSEADDR allows it while
+    nobody listens); the one whose listen then fails must take the next port, not fail the job.
+
+    ``tests/support/listen_race.c`` makes every rank lose its first port that way; the ranks start
+    fresh (not forked from the test's zygote) for LD_PRELOAD to take."""
+    monkeypatch.setenv("KT_FRESH_RANKS", "1")
+    shim = tmp_path / "listen_race.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), os.path.join(SUPPORT, "listen_race.c"), "-ldl"],
+                   check=True)
+    lo, held = _free_range(6)
+    held.close()
+    ports = f"{lo}-{lo + 5}"
+    run = _run("1+1+1", env=TCP + (("KAITIAN_BRIDGE_PORTS", ports), ("KT_RACE_PORTS", ports),
+                                   ("LD_PRELOAD", str(shim))))
+    try:
+        for rank in range(3):
+            assert run.returncodes[rank] == 0, _why(run, rank)
+            assert "listen_race: port" in _log(run, rank)
+            assert _event(run, rank, "allreduce")["value"] == [6.0] * 4
     finally:
         cleanup(run)
 
