@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import socket
 import sys
 from typing import Callable, List, Optional
@@ -50,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """``kaitian init [-r]``: measure devices and write the config; returns the exit code."""
     args = _parser().parse_args(argv)
-    if args.seconds <= 0:
-        print("kaitian init: --seconds must be positive", file=sys.stderr)
+    if not 0 < args.seconds < math.inf:
+        print(f"kaitian init: --seconds must be a positive number, got {args.seconds:g}", file=sys.stderr)
         return 2
     from kaitian.devices.inventory import discover, format_table, parse_devices_flag, select
     from kaitian.devices.rank import torch_device_of

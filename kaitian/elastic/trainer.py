@@ -14,6 +14,7 @@ step in flight.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import weakref
@@ -155,6 +156,12 @@ class Trainer:
     ) -> None:
         if ddp not in ("kaitian", "torch"):
             raise ValueError(f"ddp must be 'kaitian' or 'torch', got {ddp!r}")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if not 0 < float(timeout) < math.inf:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+        if not 0 <= float(quorum_timeout) < math.inf:
+            raise ValueError(f"quorum_timeout must be a finite number of seconds >= 0, got {quorum_timeout}")
         if rebalance and ddp != "kaitian":
             raise ValueError("rebalance needs ddp='kaitian' (the re-balancer times kaitian's DDP)")
         self.module = model

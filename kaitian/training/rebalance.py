@@ -101,6 +101,14 @@ class RebalanceDecision:
     measured_s: float = 0.0
 
 
+def _check_max_batch_size(max_batch_size) -> None:
+    if isinstance(max_batch_size, int):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    elif max_batch_size is not None and any(c is not None and int(c) < 1 for c in max_batch_size):
+        raise ValueError(f"max_batch_size must be at least 1 (or None) per rank, got {list(max_batch_size)}")
+
+
 class Rebalancer:
     """Re-splits a :class:`kaitian.DistributedSampler` from measured step costs.
 
@@ -172,22 +180,27 @@ class Rebalancer:
     ) -> None:
         from kaitian.training.ddp import DistributedDataParallel
 
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(
-                "Rebalancer needs the model wrapped in kaitian.DistributedDataParallel "
-                "(it measures the per-step compute time)"
-            )
         by_epoch = every == "epoch"
         if not by_epoch and every is not None and (isinstance(every, str) or int(every) < 1):
             raise ValueError(f"every must be a positive number of steps or 'epoch', got {every!r}")
-        if seconds is not None and float(seconds) < 0:
+        if seconds is not None and not float(seconds) >= 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
         if measure not in ("busy", "compute"):
             raise ValueError(f"measure must be 'busy' or 'compute', got {measure!r}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not 0.0 <= min_gain < 1.0:  # 1 or more: no split could ever gain enough
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        if int(warmup_steps) < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if not float(probe_every_s) >= 0:
             raise ValueError(f"probe_every_s must be >= 0, got {probe_every_s}")
+        _check_max_batch_size(max_batch_size)
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                "Rebalancer needs the model wrapped in kaitian.DistributedDataParallel "
+                "(it measures the per-step compute time)"
+            )
         self.sampler = sampler
         self.every = None if by_epoch else (DEFAULT_EVERY if every is None else int(every))
         self.seconds = 0.0 if by_epoch else (DEFAULT_SECONDS if seconds is None else float(seconds))
@@ -292,8 +305,6 @@ class Rebalancer:
         if max_batch_size is None:
             return None, None
         if isinstance(max_batch_size, int):
-            if max_batch_size < 1:
-                raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
             return max_batch_size, None
         caps = list(max_batch_size)
         if len(caps) != self.world:

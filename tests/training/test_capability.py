@@ -61,6 +61,10 @@ def test_bad_config_and_bad_arguments_are_one_line_errors(tmp_path):
     bad = _kaitian("init", "--devices", "cpu:7", "--config", str(tmp_path / "x.toml"))
     assert bad.returncode == 2 and bad.stderr.startswith("kaitian init:")
     assert not (tmp_path / "x.toml").exists()
+    for seconds in ("nan", "inf", "0"):  # nan measured nothing and wrote 0 samples/s; inf never ended
+        bad = _kaitian("init", "--seconds", seconds, "--config", str(tmp_path / "x.toml"))
+        assert (bad.returncode, bad.stderr) == (2, f"kaitian init: --seconds must be a positive number, got {seconds}\n")
+        assert not (tmp_path / "x.toml").exists()
     assert load_capabilities(str(tmp_path / "missing.toml")) == {}
 
 
