@@ -250,9 +250,9 @@ class Rebalancer:
         self._one_micro = True  # every step so far was one batch (no accumulation)
         self._ddp_step = 0
         self._switch: Optional[Tuple[int, List[int]]] = None  # (step, ranks): the trainers' next group
-        self._epoch_samples = 0  # global samples trained in this epoch's pass ...
-        self._epoch_total: Optional[int] = None  # ... of all it has
+        self._epoch_samples = 0  # global samples trained in this epoch's pass
         self._sync_due = False
+        self._serve_after: Optional[int] = None  # a spare's last step handed out, drawn ahead of its training
         self._groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
         self._known = [StepCost(0.0, 0.0)] * self.world  # every rank's cost as of the last round it took part in
         self._known_caps: List[Optional[int]] = [None] * self.world
@@ -344,10 +344,11 @@ class Rebalancer:
         self._epoch_steps += 1
         self._one_micro = self._one_micro and micro_batches == 1
         self._epoch_samples += global_samples
-        if self._epoch_total is None:  # the samples of this epoch's pass, whatever the split
-            self._epoch_total = self.sampler.total_size - self.sampler.first_step * self.sampler.global_batch_size
-        if self.sampler.num_replicas > self.sampler.split.count(0) > 0:
-            self._sync_due = self._epoch_samples >= self._epoch_total  # the epoch's last step: spares wait
+        if self.sampler.num_replicas > self.sampler.split.count(0) > 0:  # the epoch's last step: spares wait
+            # Its size is taken now, under the split it was drawn with: the short last step's padding
+            # gives each training rank its minimum, so a bench within the epoch changes it.
+            left = self.sampler.total_size - self.sampler.first_step * self.sampler.global_batch_size
+            self._sync_due = self._epoch_samples >= left
 
     def _on_split_change(self, old, new) -> None:
         # Batches of the old size may still be in flight when a mid-epoch change
@@ -375,7 +376,7 @@ class Rebalancer:
         return self.sampler.state_dict()["step"] - (self.sampler.first_step + self._epoch_steps + 1)
 
     def _on_epoch(self, epoch: int) -> None:
-        self._epoch_samples, self._epoch_steps, self._epoch_total, self._sync_due = 0, 0, None, False
+        self._epoch_samples, self._epoch_steps, self._sync_due, self._serve_after = 0, 0, False, None
         if self.sampler.local_batch_size == 0:
             self._follow_as_spare()
         elif self.sampler.benching and self._steps_done >= 2:
@@ -392,6 +393,10 @@ class Rebalancer:
         if self._switch is not None and step >= self._switch[0]:
             self._train_in(self._switch[1])
             self._switch = None
+        if self._switch is not None:
+            # a bench takes effect at a step set already; till then each rank's split changes at its
+            # own draw of that step (loaders draw ahead by different amounts): no round, on any rank
+            return
         if len(self._spares()) >= self.world - 1:
             return  # one rank trains: nothing to move within an epoch (a spare is called back at an epoch start)
         since = self._since_round
@@ -601,6 +606,9 @@ class Rebalancer:
         if self._sync_due:
             self._sync_due = False
             self._send_state()
+        if self._serve_after is not None and self.sampler.first_step + self._epoch_steps >= self._serve_after:
+            self._serve_after = None
+            self.serve_epoch()
 
     def _source(self) -> int:
         """The rank that tells the benched ones: the first that trains."""
@@ -659,7 +667,14 @@ class Rebalancer:
                                               applied=new != old))
 
     def _serve_as_spare(self, epoch: int) -> None:
-        self.serve_epoch()
+        """The sampler benched this rank at its draw of a step. A loader that draws ahead (workers, a
+        prefetch) drew it while batches handed out before it are still to train with the others: the
+        wait for the epoch's end then comes after the optimizer step of the last of them."""
+        handed_out = self.sampler.state_dict()["step"] - 1  # the steps before this draw
+        if self.sampler.first_step + self._epoch_steps < handed_out:
+            self._serve_after = handed_out
+        else:
+            self.serve_epoch()
 
     def serve_epoch(self) -> None:
         """A benched rank's pass over an epoch: it waits for the epoch's end and takes the state

@@ -89,6 +89,8 @@ def check_whole_steps(sampler: DistributedSampler, yielded: Sequence[int]) -> No
     whole = max(0, full - sampler.first_step)  # full steps from where this epoch started
     cut = []
     for rank, (taken, share) in enumerate(zip(yielded, sampler.split)):
+        if share == 0:  # benched: no batch of its own to cut (drawn ahead, its last ones may still train)
+            continue
         taken = int(taken)
         inside = taken % share != 0 if taken <= whole * share else rest is None or taken != whole * share + rest[rank]
         if inside:

@@ -17,11 +17,11 @@ from support import worker
 from support.ranks import Layout, cleanup, run_ranks, tail
 
 
-def _replay(trained_by_rank, epochs):
+def _replay(trained_by_rank, epochs, samples=200):
     """One process on the union of each (epoch, step)'s batches: the same model, optimizer, schedule."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 8, generator=g, dtype=torch.float64)
-    y = torch.randn(200, 1, generator=g, dtype=torch.float64)
+    x = torch.randn(samples, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(samples, 1, generator=g, dtype=torch.float64)
     torch.manual_seed(1234)
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -31,7 +31,7 @@ def _replay(trained_by_rank, epochs):
         for epoch, step, indices in trained:
             steps.setdefault((epoch, step), []).extend(indices)
     for epoch in range(epochs):  # every sample once per epoch, whoever trained it
-        assert sorted(i for (e, _), part in steps.items() if e == epoch for i in part) == list(range(200))
+        assert sorted(i for (e, _), part in steps.items() if e == epoch for i in part) == list(range(samples))
     for key in sorted(steps):
         opt.zero_grad()
         F.mse_loss(net(x[steps[key]]), y[steps[key]]).backward()
@@ -130,6 +130,23 @@ def test_a_spare_whose_device_gets_faster_while_benched_is_called_back_by_its_pr
     assert not {1, 2, 3} & epochs_of_1, r0["history"]  # benched while slow (epoch 3's round came first)
     assert epochs_of_1 & set(range(4, 9)), r0["history"]  # called back once its probe saw it fast
     assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0
+
+
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_the_state(ahead):
+    """Rank 1 (0.2 s a forward) is benched by the first round, within epoch 0 (11 steps). Before
+    its wait for the epoch's end, it trains beside rank 0 every batch its loader drew: with
+    ``ahead`` 2 it is benched at a draw two steps before the trainers leave it (it waited there,
+    and rank 0's next step hung). 321 samples: 10 steps of 32 and a short one, which two ranks pad
+    to 2 and rank 0 alone trains as 1; the trainer counted the epoch's end against the padded size,
+    so the state never came and the job hung."""
+    r0, r1, _ = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
+                                 "--model-delay1", "0.2", "--epochs", "2", "--samples", "321", "--ahead", str(ahead))
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=321)
+    for r in (r0, r1):
+        assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
+    steps_of_1 = {(epoch, step) for epoch, step, _ in r1["trained"]}
+    assert (0, 0) in steps_of_1 and (0, 10) not in steps_of_1 and not any(e == 1 for e, _ in steps_of_1), r0["history"]
 
 
 def test_a_spare_whose_model_the_probe_cannot_run_says_so_once_and_stays_benched_exactly():

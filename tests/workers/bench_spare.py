@@ -3,7 +3,7 @@
 torchrun-style (environment, backend kaitian, JSON to ``KT_OUT``), on the rank's
 device (a fake MLU: the state crosses between device and host both ways). fp64 MLP,
 SGD with momentum and a per-batch LR schedule (handed to the spares with the
-optimizer: ``state=``), a loader that draws two batches ahead. Rank 1 has a
+optimizer: ``state=``), a loader that draws two batches ahead (``--ahead``). Rank 1 has a
 fixed cost of ``--slow1`` s a step (a sleep: the busy time the re-balancer
 measures; with ``--busy`` CPU time this thread spends, which stretches with the
 machine's load as the rank's real work does) and is benched; from epoch
@@ -75,6 +75,8 @@ def drawing_ahead(loader, ahead=2):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=7)
+    p.add_argument("--samples", type=int, default=200, help="the dataset's size")
+    p.add_argument("--ahead", type=int, default=2, help="batches the loader draws ahead of the one trained")
     p.add_argument("--turn", type=int, default=2)
     p.add_argument("--slow0", type=float, default=0.3)
     p.add_argument("--slow1", type=float, default=0.05)
@@ -95,10 +97,10 @@ def main():
     rank, device = dist.get_rank(), kaitian.device()
     kaitian.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 8, generator=g, dtype=torch.float64)
-    y = torch.randn(200, 1, generator=g, dtype=torch.float64)
-    ds = TensorDataset(x, y, torch.arange(200))
-    sampler = kaitian.DistributedSampler(ds, batch_size=16, capabilities=[1.0, 1.0])  # 6 steps of 32, one of 8
+    x = torch.randn(args.samples, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(args.samples, 1, generator=g, dtype=torch.float64)
+    ds = TensorDataset(x, y, torch.arange(args.samples))
+    sampler = kaitian.DistributedSampler(ds, batch_size=16, capabilities=[1.0, 1.0])  # 200: 6 steps of 32, one of 8
     torch.manual_seed(1234)
     delay = Delay()
     delay.seconds = args.model_delay1 if rank == 1 else 0.0
@@ -118,7 +120,7 @@ def main():
         if epoch == args.speedup:
             delay.seconds = 0.0
         sampler.set_epoch(epoch)
-        for step, (xb, yb, index) in enumerate(drawing_ahead(loader)):
+        for step, (xb, yb, index) in enumerate(drawing_ahead(loader, args.ahead)):
             if step == 0:
                 shares.append([epoch, sampler.split])
             if rank == 1 and epoch == args.die1 and step == 2:
