@@ -297,8 +297,8 @@ def test_bridge_ports_lost_between_bind_and_listen_go_on_to_the_next(tmp_path, m
     lo, held = _free_range(6)
     held.close()
     ports = f"{lo}-{lo + 5}"
-    run = _run("1+1+1", env=TCP + (("KAITIAN_BRIDGE_PORTS", ports), ("KT_RACE_PORTS", ports),
-                                   ("LD_PRELOAD", str(shim))))
+    run = _run("1+1+1", timeout_s=60, limit=150, env=TCP + (("KAITIAN_BRIDGE_PORTS", ports),
+                                                            ("KT_RACE_PORTS", ports), ("LD_PRELOAD", str(shim))))
     try:
         for rank in range(3):
             assert run.returncodes[rank] == 0, _why(run, rank)

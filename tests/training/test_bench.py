@@ -134,19 +134,20 @@ def test_a_spare_whose_device_gets_faster_while_benched_is_called_back_by_its_pr
 
 @pytest.mark.parametrize("ahead", [0, 2])
 def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_the_state(ahead):
-    """Rank 1 (0.2 s a forward) is benched by the first round, within epoch 0 (11 steps). Before
-    its wait for the epoch's end, it trains beside rank 0 every batch its loader drew: with
+    """Rank 1 (0.2 s a forward) is benched by a round within epoch 0 (21 steps, a round every 3).
+    Before its wait for the epoch's end, it trains beside rank 0 every batch its loader drew: with
     ``ahead`` 2 it is benched at a draw two steps before the trainers leave it (it waited there,
-    and rank 0's next step hung). 321 samples: 10 steps of 32 and a short one, which two ranks pad
+    and rank 0's next step hung). 641 samples: 20 steps of 32 and a short one, which two ranks pad
     to 2 and rank 0 alone trains as 1; the trainer counted the epoch's end against the padded size,
     so the state never came and the job hung."""
     r0, r1, _ = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
-                                 "--model-delay1", "0.2", "--epochs", "2", "--samples", "321", "--ahead", str(ahead))
-    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=321)
+                                 "--model-delay1", "0.2", "--epochs", "2", "--every", "3", "--samples", "641",
+                                 "--ahead", str(ahead))
+    steps_of_1 = {(epoch, step) for epoch, step, _ in r1["trained"]}  # the premise: benched within epoch 0
+    assert (0, 0) in steps_of_1 and (0, 20) not in steps_of_1 and all(e == 0 for e, _ in steps_of_1), r0["history"]
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=641)
     for r in (r0, r1):
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
-    steps_of_1 = {(epoch, step) for epoch, step, _ in r1["trained"]}  # benched within epoch 0, for epoch 1
-    assert (0, 0) in steps_of_1 and (0, 10) not in steps_of_1 and all(e == 0 for e, _ in steps_of_1), r0["history"]
 
 
 def test_a_spare_whose_model_the_probe_cannot_run_says_so_once_and_stays_benched_exactly():
