@@ -75,15 +75,16 @@ def numa_binding(devices: Sequence[Device], mode: str, allowed: Optional[Sequenc
             )
         near.append(cores)
     peers = {cores: [i for i, other in enumerate(near) if other == cores] for cores in set(near)}
+    if mode == "socket":
+        package = {c: _read(cpu_root, c, "topology/physical_package_id") for c in sorted(allowed_set)}
     bound = []
     for i, cores in enumerate(near):
         if mode == "node":
             bound.append(cores)
             continue
         if mode == "socket":
-            packages = {_read(cpu_root, c, "topology/physical_package_id") for c in cores}
-            bound.append(tuple(c for c in sorted(allowed_set)
-                               if _read(cpu_root, c, "topology/physical_package_id") in packages))
+            packages = {package[c] for c in cores}
+            bound.append(tuple(c for c in package if package[c] in packages))
             continue
         share = peers[cores]
         if mode == "exclusive":

@@ -126,7 +126,7 @@ def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
         "-v", "--volume", action=_EnvList, default=[], metavar="HOST:CTR[:ro]",
         help="docker: extra bind mount (repeatable)",
     )
-    k.add_argument("--shm-size", "--shm_size", action=_te.env, default="2g", help="docker: /dev/shm size (default 2g)")
+    k.add_argument("--shm-size", "--shm_size", action=_te.env, default=None, help="docker: /dev/shm size (default 2g)")
     k.add_argument(
         "--container-user", "--container_user", action=_te.env, default=None, metavar="root|UID[:GID]",
         help="docker: user the workers run as (default: a non-root user: yours, or for a root "
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     runtime_options = options_from_args(args, config)  # every runtime flag checked before anything starts
     docker_flags = [flag for flag, given in (
         ("--image", args.image), ("--keep-containers", args.keep_containers), ("--volume", args.volume),
-        ("--shm-size", args.shm_size != "2g"), ("--container-user", args.container_user)) if given]
+        ("--shm-size", args.shm_size), ("--container-user", args.container_user)) if given]
     if docker_flags and args.runtime != "docker":
         raise UsageError(f"{', '.join(docker_flags)}: the docker runtime's flags; add --runtime docker "
                          "(or unset their PET_* variables)")

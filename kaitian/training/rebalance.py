@@ -371,9 +371,14 @@ class Rebalancer:
         """Rank 0's vote, carried by the step's count exchange."""
         return time.monotonic() - self._last_round >= self.seconds
 
+    @property
+    def _steps_trained(self) -> int:
+        """Steps of this epoch trained so far (those of an interrupted pass before ``first_step``)."""
+        return self.sampler.first_step + self._epoch_steps
+
     def _ahead(self) -> int:
         """Batches this rank's loader has drawn beyond the one being trained."""
-        return self.sampler.state_dict()["step"] - (self.sampler.first_step + self._epoch_steps + 1)
+        return self.sampler.state_dict()["step"] - (self._steps_trained + 1)
 
     def _on_epoch(self, epoch: int) -> None:
         self._epoch_samples, self._epoch_steps, self._sync_due, self._serve_after = 0, 0, False, None
@@ -606,7 +611,7 @@ class Rebalancer:
         if self._sync_due:
             self._sync_due = False
             self._send_state()
-        if self._serve_after is not None and self.sampler.first_step + self._epoch_steps >= self._serve_after:
+        if self._serve_after is not None and self._steps_trained >= self._serve_after:
             self._serve_after = None
             self.serve_epoch()
 
@@ -671,7 +676,7 @@ class Rebalancer:
         prefetch) drew it while batches handed out before it are still to train with the others: the
         wait for the epoch's end then comes after the optimizer step of the last of them."""
         handed_out = self.sampler.state_dict()["step"] - 1  # the steps before this draw
-        if self.sampler.first_step + self._epoch_steps < handed_out:
+        if self._steps_trained < handed_out:
             self._serve_after = handed_out
         else:
             self.serve_epoch()

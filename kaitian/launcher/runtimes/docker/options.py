@@ -9,9 +9,10 @@ from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 from kaitian.errors import DockerOptionError
 
-__all__ = ["Mount", "DockerOptions", "parse_volume", "ROOT_USER"]
+__all__ = ["Mount", "DockerOptions", "parse_volume", "ROOT_USER", "DEFAULT_SHM_SIZE"]
 
 ROOT_USER = "0:0"  # only with --container-user root do workers run as root in a container
+DEFAULT_SHM_SIZE = "2g"
 
 _SHM_SIZE = re.compile(r"^\d+(\.\d+)?[bkmgBKMG]?$")
 _USER = re.compile(r"^\d+(:\d+)?$")
@@ -49,12 +50,12 @@ class DockerOptions:
     images: Mapping[str, str] = field(default_factory=dict)
     keep_containers: bool = False
     volumes: Tuple[Mount, ...] = ()
-    shm_size: str = "2g"
+    shm_size: str = DEFAULT_SHM_SIZE
     user: Optional[str] = None
 
     @classmethod
     def from_flags(cls, *, images: Iterable[str] = (), keep_containers: bool = False, volumes: Iterable[str] = (),
-                   shm_size: str = "2g", container_user: Optional[str] = None) -> "DockerOptions":
+                   shm_size: str = DEFAULT_SHM_SIZE, container_user: Optional[str] = None) -> "DockerOptions":
         by_name: Dict[str, str] = {}
         for value in images:
             key, _, ref = value.partition("=")
@@ -72,7 +73,7 @@ class DockerOptions:
                 raise DockerOptionError(f"--container-user {user!r}: expected root, UID or UID:GID")
             uid, _, gid = user.partition(":")
             user = f"{int(uid)}:{int(gid or uid)}"
-        shm_size = shm_size or "2g"
+        shm_size = shm_size or DEFAULT_SHM_SIZE
         if not _SHM_SIZE.match(shm_size):
             raise DockerOptionError(f"--shm-size {shm_size!r}: expected a size such as 2g or 512m")
         return cls(by_name, keep_containers, mounts, shm_size, user)

@@ -24,7 +24,7 @@ from kaitian.errors import DockerOptionError
 from kaitian.launcher.workers import LocalWorker
 from kaitian.launcher.runtimes.base import RunContext, WorkerStart
 from kaitian.launcher.runtimes.cpu_limits import CPU_PERIOD_US, cfs_limits
-from kaitian.launcher.runtimes.docker.options import ROOT_USER, DockerOptions, Mount
+from kaitian.launcher.runtimes.docker.options import DEFAULT_SHM_SIZE, ROOT_USER, DockerOptions, Mount
 from kaitian.settings import Settings
 
 __all__ = ["AgentIdentity", "ContainerSpec", "ExecSpec", "ImageInfo", "DockerHost", "DockerStart", "LogFiles",
@@ -118,7 +118,7 @@ class ContainerSpec:
     cpu_quota: Optional[float] = None  # in cores
     cpu_period_us: int = CPU_PERIOD_US  # the local runtime's: as uniformly slow as a local worker
     cgroup_parent: Optional[str] = None  # the agent's own where allowed: workers compete as local ones
-    shm_size: str = "2g"
+    shm_size: str = DEFAULT_SHM_SIZE
 
     IDENTITY = ("group", "run_id", "agent", "cpu_shares")
 
