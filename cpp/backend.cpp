@@ -304,6 +304,9 @@ void KaitianBackend::stopAll(bool abort) {
   std::lock_guard<std::mutex> lock(shutdownMu_);
   if (shutDown_) return;
   shutDown_ = true;
+  // A send not waited for is delivered first (a re-balancer's last state to a hot spare
+  // as the job ends): the receiver would otherwise fail, its peer gone.
+  if (!abort && sends_) sends_->drain();
   // Wake the waiting threads first: every wait of ours polls stop_ (bridge
   // waits within 100 ms, vendor steps and device events within 10 ms). On abort
   // the vendors abort their own waits too (NCCL aborts its communicators).

@@ -212,6 +212,19 @@ void OpQueue::push(Task task) {
   state_->cv.notify_one();
 }
 
+void OpQueue::drain() {
+  if (thread_.get_id() == std::this_thread::get_id()) return;  // called from one of its own tasks
+  auto wait = [this] {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->idle.wait(lock, [&] { return state_->stopping || (state_->tasks.empty() && !state_->running); });
+  };
+  if (gBlockingHook != nullptr) {
+    gBlockingHook(wait);
+  } else {
+    wait();
+  }
+}
+
 void OpQueue::stop(const std::string& reason) {
   std::deque<Task> left;
   {
@@ -220,6 +233,7 @@ void OpQueue::stop(const std::string& reason) {
     state_->stopping = true;
   }
   state_->cv.notify_all();
+  state_->idle.notify_all();
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
       thread_.detach();  // destroyed from one of our own callbacks
@@ -263,8 +277,14 @@ void OpQueue::loop(const std::shared_ptr<State>& state) {
       task = std::move(state->tasks.front());
       state->tasks.pop_front();
       state->queued.fetch_sub(1, std::memory_order_relaxed);
+      state->running = true;
     }
     task.run();  // completes its own Work, errors included
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->running = false;
+    }
+    state->idle.notify_all();
   }
 }
 

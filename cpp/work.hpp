@@ -72,6 +72,8 @@ class OpQueue {
   explicit OpQueue(std::string threadName);
   ~OpQueue();
   void push(Task task);
+  // Waits until every task queued so far has run (each op ends by its own deadline).
+  void drain();
   void stop(const std::string& reason);
 
  private:
@@ -84,6 +86,8 @@ class OpQueue {
     std::deque<Task> tasks;
     std::atomic<size_t> queued{0};  // lets the idle thread spin briefly before sleeping
     bool stopping = false;
+    bool running = false;  // a task is running (drain waits for it)
+    std::condition_variable idle;  // notified after each task
   };
   static void loop(const std::shared_ptr<State>& state);
   std::shared_ptr<State> state_;

@@ -77,24 +77,28 @@ def loss_of(exc: BaseException, training_group: Optional[dist.ProcessGroup] = No
     return None
 
 
-def tear_down(collect: bool = False) -> None:
+def tear_down(collect: bool = False, reforming: bool = False) -> None:
     """Drops the default group; the caller dropped its models first.
 
     A broken group is aborted (vendor communicators such as NCCL's are
-    aborted, not destroyed, which could wait for a lost peer), a healthy one
-    destroyed. The backend's shutdown stops every wait within milliseconds.
+    aborted, not destroyed, which could wait for a lost peer), and so is a
+    group left for the next generation: its sends still in flight are void
+    (a destroyed kaitian group delivers them first, and a lost or stopped
+    receiver would hold it up to the op timeout). A healthy group at the
+    end is destroyed. Either stops every wait within milliseconds.
 
     Args:
         collect: a dropped model is still alive (held by reference cycles):
             collect it before its group (a full collection takes most of a
             second in a process that imported torch, so only then).
+        reforming: the group is left for the next generation.
     """
     if collect:
         gc.collect()
     if not dist.is_initialized():
         return
     try:
-        if _first_failure():
+        if reforming or _first_failure():
             _te.abort_process_groups()
         else:
             dist.destroy_process_group()

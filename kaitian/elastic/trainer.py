@@ -465,7 +465,7 @@ class Trainer:
         expected, generation = list(self.decision.members), self.decision.generation + 1
         redone = bool(failure)
         while True:
-            self._tear_down()
+            self._tear_down(reforming=True)
             min_batch = self.sampler.min_batch_size if self.sampler is not None else 1
             decision = self._store_call(m.agree, generation, expected, self._announcement(failure), self._global_batch,
                                     min_batch, self._min_nodes, self.decision.joiners_seen)
@@ -501,10 +501,10 @@ class Trainer:
         return Announcement(self._me, self.applied, self.epoch, self.step, share=share,
                             group=settings().group or self.device.type, failure=failure)
 
-    def _tear_down(self) -> None:
+    def _tear_down(self, reforming: bool = False) -> None:
         """Drops the model, then its group (a DDP must not outlive its group)."""
         model, self.model = (weakref.ref(self.model) if self.model is not None else None), None
-        _group.tear_down(collect=model is not None and model() is not None)
+        _group.tear_down(collect=model is not None and model() is not None, reforming=reforming)
 
     def _store_call(self, fn, *args):
         """A store request while agreeing: a store that does not answer ends the job with one line."""

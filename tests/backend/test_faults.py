@@ -255,6 +255,23 @@ def test_a_long_spin_still_honours_the_deadline(tmp_path) -> None:
     assert float(line.split(" s:")[0]) < 6, line
 
 
+def test_a_send_not_waited_for_is_delivered_when_its_group_is_closed(tmp_path):
+    """isend, then destroy the group at once (a re-balancer's last state to a hot spare as training
+    ends): the group delivers the send first. Before, the receiver failed naming its peer gone (gloo
+    drops such a send: its receiver waits for ever). The receiver runs at a tenth of a core, so it is
+    often still to post its recv when the group closes."""
+    rounds, out = 20, tmp_path / "result"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kaitian.launcher.cli", "--nproc-per-node", "2", "--cpu-groups", "2",
+         "--cpu-quota", "1,0.1", worker("close_after_last_op")],
+        env=repo_env(KT_ROUNDS=str(rounds), KT_OUT=str(out), KT_OP="isend"),
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = [json.loads(open(f"{out}.{rank}").read()) for rank in range(2)]
+    assert results == [{"rounds": rounds, "error": None}] * 2
+
+
 def test_a_peer_that_closes_right_after_an_op_has_finished_it_for_everyone(tmp_path):
     """A rank waiting for data its peer published in a collective, the peer
     having closed the group right after (as at the end of training), takes
