@@ -579,6 +579,11 @@ std::vector<int64_t> KaitianBackend::stripeWeights() const {
   return stripeWeights_;
 }
 
+void KaitianBackend::setAway(std::string why) {
+  std::lock_guard<std::mutex> lock(awayMu_);
+  awayWhy_ = std::move(why);
+}
+
 void KaitianBackend::watchPeer(int peer, const std::string& what) {
   TORCH_CHECK(peer >= 0 && peer < size_ && peer != rank_, "kaitian watch_peer: rank ", peer,
               " is not a peer of rank ", rank_, " in a group of ", size_);

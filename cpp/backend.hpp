@@ -116,6 +116,10 @@ class KaitianBackend : public c10d::Backend {
   // op's identity, so ranks that disagree fail that collective on every rank.
   void setStripeWeights(std::vector<int64_t> weights);
   std::vector<int64_t> stripeWeights() const;
+  // While `why` is set, some ranks take part in no collective of this group (hot
+  // spares benched by kaitian.Rebalancer): a collective called meanwhile would wait
+  // for them, so it fails at once, breaking the group, with `why` ("" clears it).
+  void setAway(std::string why);
   // Elements this rank reduced on the host so far, and the seconds that took.
   std::pair<int64_t, double> reduceRate() const;
 
@@ -184,6 +188,10 @@ class KaitianBackend : public c10d::Backend {
   template <typename Check>
   c10::intrusive_ptr<c10d::Work> collective(const char* name, Check check) {
     try {
+      {
+        std::lock_guard<std::mutex> lock(awayMu_);
+        TORCH_CHECK(awayWhy_.empty(), "kaitian ", name, ": ", awayWhy_);
+      }
       Call c = check();
       return enqueue(*collectives_, c.type, name, c.id, std::move(c.outputs),
                      std::move(c.deviceTensors), c.timeout, std::move(c.body), c.device);
@@ -225,6 +233,8 @@ class KaitianBackend : public c10d::Backend {
   ReduceMeter meter_;  // see reduceRate()
   mutable std::mutex stripeMu_;
   std::vector<int64_t> stripeWeights_;  // see setStripeWeights(); empty: even
+  mutable std::mutex awayMu_;
+  std::string awayWhy_;  // see setAway(); empty: every rank takes part
   struct Gaps {
     std::vector<at::ScalarType> dtypes;
     std::vector<c10d::ReduceOp::RedOpType> ops;

@@ -103,6 +103,8 @@ PYBIND11_MODULE(_C, m) {
       .def("first_failure", &KaitianBackend::firstFailure)
       // A benched rank's check on the rank it waits for (kaitian.training.rebalance).
       .def("watch_peer", &KaitianBackend::watchPeer, py::arg("peer"), py::arg("what"))
+      // Hot spares away from the group's collectives (kaitian.training.rebalance).
+      .def("set_away", &KaitianBackend::setAway, py::arg("why"))
       // Stripe weights of the cross-group reduction (kaitian.backend.stripes).
       .def("set_stripe_weights", &KaitianBackend::setStripeWeights, py::arg("weights"))
       .def("stripe_weights", &KaitianBackend::stripeWeights)

@@ -280,6 +280,9 @@ class Rebalancer:
             model.add_before_step(self._on_before_step)
             if self.seconds > 0:
                 model.set_round_vote(self._time_for_round)
+        self._away = False  # the world group knows that spares are away from its collectives
+        if self.optimizer is not None:
+            model.add_before_step(self._mark_spares_away)  # after the switch to the trainers' group
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -382,11 +385,16 @@ class Rebalancer:
 
     def _on_epoch(self, epoch: int) -> None:
         self._epoch_samples, self._epoch_steps, self._sync_due, self._serve_after = 0, 0, False, None
-        if self.sampler.local_batch_size == 0:
+        if self.sampler.resuming:
+            # a checkpoint's epoch goes on under the checkpoint's split, on every rank alike: the
+            # trainers exchange among themselves from its first step, a benched rank waits for its end
+            self._switch = None
+            self._train_in(_trainers(self.sampler.split_at_pass_start))
+        elif self.sampler.local_batch_size == 0:
             self._follow_as_spare()
-        elif self.sampler.benching and self._steps_done >= 2:
+        elif self.sampler.benching and (self._steps_done >= 2 or self._spares()):
             # who trains this epoch (after two steps: torch's DDP has rebuilt its buckets then,
-            # a collective of its whole group)
+            # a collective of its whole group; at once where a resumed job has spares waiting for word)
             self.rebalance(after_draws=None, epoch_start=True)
         elif self.every is None and self._steps_done > 0:
             self.rebalance(after_draws=None)
@@ -607,10 +615,30 @@ class Rebalancer:
         if model is not None and dist.get_rank(self.world_group) in training:
             model.train_in(self._group_of(training))
 
+    def _mark_spares_away(self, step: int, round_requested: bool = False) -> None:
+        """From a step the trainers take without the spares until the state reaches the spares at the
+        epoch's end, a collective over every rank would wait for a spare: one called meanwhile fails at
+        once, saying where to run it."""
+        if self.group is not self.world_group and not self._away:
+            spares = self._spares()
+            who = f"rank {spares[0]} is" if len(spares) == 1 else f"ranks {', '.join(map(str, spares))} are"
+            self._set_away(f"{who} benched by kaitian.Rebalancer (a hot spare: in no collective until the "
+                           "epoch's end), so this collective would wait for it; between steps, run collectives "
+                           "in the training ranks' group, balancer.group")
+
+    def _set_away(self, why: str) -> None:
+        self._away = bool(why)
+        try:
+            kaitian_backend(self.world_group).set_away(why)
+        except ValueError:  # not backend kaitian: such a collective waits for the group's timeout
+            pass
+
     def _after_optimizer_step(self) -> None:
         if self._sync_due:
             self._sync_due = False
             self._send_state()
+            if self._away:
+                self._set_away("")
         if self._serve_after is not None and self._steps_trained >= self._serve_after:
             self._serve_after = None
             self.serve_epoch()
@@ -853,23 +881,24 @@ class Rebalancer:
     # -- checkpoints ------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """Every rank's fitted step cost (a collective: call it on every rank).
+        """Every rank's fitted step cost as of the last round this rank took part in, and the exchange's.
 
-        The same on every rank, so a ``torch.distributed.checkpoint`` keeps one copy.
+        The same on the ranks that train together, so a ``torch.distributed.checkpoint`` keeps one
+        copy; no collective, so the training ranks may call it between steps while a benched one waits.
         """
-        costs = self._exchange(list(range(self.world)), self.world_group)[0]
-        return {"per_sample_s": [c.per_sample_s for c in costs], "fixed_s": [c.fixed_s for c in costs],
+        return {"per_sample_s": [c.per_sample_s for c in self._known], "fixed_s": [c.fixed_s for c in self._known],
                 "exchange_s": self._exchange_s, "within_s": dict(self._within_s), "step": self._step,
                 "world": self.world}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continues from :meth:`state_dict`: this rank's fitted step cost comes back."""
+        """Continues from :meth:`state_dict`: every rank's fitted step cost comes back (a benched rank's
+        decides its call-back as before)."""
         if int(state["world"]) != self.world:
             raise ValueError(f"re-balancer state of {state['world']} ranks cannot resume {self.world}")
-        rank = self.sampler.rank
-        per_sample = float(state["per_sample_s"][rank])
-        fixed = float(state.get("fixed_s", [0.0] * self.world)[rank])
-        self._cost = StepCost(fixed, per_sample) if per_sample > 0 else None
+        fixed = [float(a) for a in state.get("fixed_s", [0.0] * self.world)]
+        self._known = [StepCost(a, float(b)) for a, b in zip(fixed, state["per_sample_s"])]
+        own = self._known[self.sampler.rank]
+        self._cost = own if own.known else None
         self._exchange_s = float(state.get("exchange_s", 0.0))
         self._within_s = {str(g): float(t) for g, t in state.get("within_s", {}).items()}
         self._step = int(state["step"])

@@ -153,6 +153,18 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         """Whether a rank may get no samples (a benched rank: see :meth:`enable_benching`)."""
         return self._schedule.benching
 
+    @property
+    def resuming(self) -> bool:
+        """Whether the coming pass continues a checkpoint's epoch (:meth:`load_state_dict`, then
+        :meth:`set_epoch` of that epoch)."""
+        return self._resume_step is not None and self._resume_step[0] == self.epoch
+
+    @property
+    def split_at_pass_start(self) -> List[int]:
+        """The split the coming pass starts with: a change still waiting is due at its start."""
+        pending = self._schedule.state_dict()["pending"]
+        return list(pending[0]) if pending else self.split
+
     def enable_benching(self) -> None:
         """Lets a split give a rank no samples; only for a caller that then takes that rank out of
         every per-step collective (:class:`kaitian.Rebalancer` with the optimizer does)."""
