@@ -162,8 +162,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     @property
     def split_at_pass_start(self) -> List[int]:
         """The split the coming pass starts with: a change still waiting is due at its start."""
-        pending = self._schedule.state_dict()["pending"]
-        return list(pending[0]) if pending else self.split
+        return self._schedule.at_epoch_start
 
     def enable_benching(self) -> None:
         """Lets a split give a rank no samples; only for a caller that then takes that rank out of
@@ -277,8 +276,8 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         if not follow_split and self.split != before:
             _log.warning("rank %d: the split changed to %s; a DataLoader built with batch_size=%d must be rebuilt "
                          "(or use batch_sampler=sampler.batch_sampler())", self.rank, self.split, before[self.rank])
-        resume, self._resume_step = self._resume_step, None
-        self.first_step = resume[1] if resume is not None and resume[0] == self.epoch else 0
+        self.first_step = self._resume_step[1] if self.resuming else 0
+        self._resume_step = None
         self.yielded = 0
         self._unclaimed.clear()  # a new pass over the epoch: what the last one left untrained is void
         for step in range(self.first_step, self.num_steps):

@@ -240,6 +240,11 @@ class SplitSchedule:
                     self.listeners(old, list(sizes))
         self.draws += int(draw)
 
+    @property
+    def at_epoch_start(self) -> List[int]:
+        """The split the next epoch starts with: a change still waiting takes effect there."""
+        return list(self._pending[0] if self._pending is not None else self.current)
+
     def state_dict(self) -> Dict[str, Any]:
         pending = None
         if self._pending is not None:

@@ -64,7 +64,6 @@ def main():
         # changed by hand at step 5, so a restart that lost it would show
         balancer = kaitian.Rebalancer(sampler, model, every=4, min_gain=0.99)
     killed = 0 if benching else 1
-    per_epoch = -(-len(dataset) // sampler.global_batch_size)
     loader = DataLoader(dataset, batch_sampler=sampler.batch_sampler())
     log_path = os.path.join(args.dir, f"rank-{rank}.jsonl")
     latest = os.path.join(args.dir, "latest")
@@ -79,8 +78,7 @@ def main():
         dcp.load(state, checkpoint_id=checkpoint)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         sampler.load_state_dict(state["sampler"])
-        pending = state["sampler"]["pending"]
-        resumed_split = pending[0] if pending else sampler.split
+        resumed_split = sampler.split_at_pass_start
         balancer.load_state_dict(state["rebalancer"])
         steps = resumed_at = int(state["steps"])
         at = [state["sampler"]["epoch"], state["sampler"]["step"]]
@@ -104,7 +102,7 @@ def main():
             F.mse_loss(model(x), y).backward()
             opt.step()
             # a rank called back from the bench has trained fewer steps: the job's step comes from the sampler
-            steps = epoch * per_epoch + entry[1] + 1 if benching else steps + 1
+            steps = epoch * sampler.num_steps + entry[1] + 1 if benching else steps + 1
             with open(log_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
             if steps % args.every == 0:
