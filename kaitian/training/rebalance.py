@@ -434,6 +434,8 @@ class Rebalancer:
         Returns:
             The decision, also appended to :attr:`history`.
         """
+        if self.sampler.benching:
+            self._check_schedulers_travel()
         self._last_round = time.monotonic()
         self._since_round = 0
         self._probe, self._next_probe = None, 0.0  # benched now, it probes afresh: its first probe is its cost now
@@ -642,6 +644,19 @@ class Rebalancer:
         if self._serve_after is not None and self._steps_trained >= self._serve_after:
             self._serve_after = None
             self.serve_epoch()
+
+    def _check_schedulers_travel(self) -> None:
+        """A benched rank runs no optimizer step, so an LR scheduler it does not receive with the
+        optimizer's state stands still there, and once called back the rank would step with another
+        learning rate than the others: their weights silently apart. Checked at every round, before
+        any bench, alike on every training rank (torch marks an optimizer a scheduler steps with)."""
+        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched") and not any(
+                getattr(obj, "optimizer", None) is self.optimizer for obj in self.state):
+            raise TrainingError(
+                "kaitian.Rebalancer: the optimizer has an LR scheduler that state= does not hold; a benched rank "
+                "runs no step, so its schedule would stand still and, called back, it would train with another "
+                "learning rate: pass it, Rebalancer(..., optimizer=optimizer, state=[scheduler]) "
+                "(kaitian.elastic.Trainer(..., stateful={'scheduler': scheduler}))")
 
     def _source(self) -> int:
         """The rank that tells the benched ones: the first that trains."""

@@ -185,6 +185,23 @@ def test_a_spare_whose_trainer_dies_fails_naming_it_instead_of_waiting_forever(b
         cleanup(run)
 
 
+def test_an_lr_schedule_the_spares_would_not_receive_fails_at_the_first_round_on_every_rank():
+    """The worker's per-batch LR schedule left out of ``state=``: a benched rank runs no step, so its
+    schedule would stand still, and once called back it would train with another learning rate than
+    the others (the weights silently apart). Every rank fails at the first round, before any bench,
+    saying what to pass."""
+    run = run_ranks(Layout("1+1"), [worker("bench_spare"), "--slow1", "0.05", "--schedule-not-in-state"],
+                    timeout=120)
+    try:
+        logs = [open(log).read() for log in run.logs]
+        assert not run.timed_out and min(run.returncodes) != 0, tail(run.logs[0]) + tail(run.logs[1])
+        for log in logs:
+            assert ("TrainingError: kaitian.Rebalancer: the optimizer has an LR scheduler that state= does "
+                    "not hold") in log and "benched" not in log.split("TrainingError")[0], log[-3000:]
+    finally:
+        cleanup(run)
+
+
 def test_a_spare_whose_model_differs_from_the_trainers_fails_with_one_clear_line():
     """Rank 1's model holds a buffer of 9 values where rank 0's holds 1 (DDP leaves it alone): the
     state rank 0 packs for it does not fit, and the spare says so instead of taking a part of it;

@@ -15,7 +15,7 @@ beside rank 0 (their rounds must then stay in step, every ``--every`` steps). Wi
 benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mode (a model
 the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_buffers=False``,
 so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
-has 1 (a spare whose model differs). With ``--die1 E`` rank 1 dies in epoch E's third step
+has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``. With ``--die1 E`` rank 1 dies in epoch E's third step
 (``--die-how``: it raises, or kills itself, so that no exit handler runs). Every rank
 writes the indices it trained per (epoch, step), its shares and its final weights.
 """
@@ -91,6 +91,8 @@ def main():
                    "it alone; rank 0's has 1)")
     p.add_argument("--die1", type=int, default=None, help="rank 1 dies in this epoch's third step ...")
     p.add_argument("--die-how", choices=["raises", "killed"], default="raises", help="... so")
+    p.add_argument("--schedule-not-in-state", action="store_true", help="the LR schedule is not handed to the "
+                   "spares (state=[]): a rank called back would train with another learning rate")
     args, _ = p.parse_known_args()
     torch.set_num_threads(1)
     dist.init_process_group("kaitian")
@@ -112,7 +114,8 @@ def main():
     model = kaitian.DistributedDataParallel(net, broadcast_buffers=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[schedule], every=args.every,
+    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[] if args.schedule_not_in_state else [schedule],
+                                  every=args.every,
                                   probe_every_s=args.probe_every)
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
     trained, shares = [], []
