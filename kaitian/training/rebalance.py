@@ -151,7 +151,7 @@ class Rebalancer:
             does not pay are benched at epoch starts (see the module
             docstring); a benched rank receives its state at each epoch's end.
         state: more objects with ``state_dict()`` / ``load_state_dict()`` that
-            change with the steps (LR schedulers stepped per batch, counters):
+            change with the steps (LR schedulers stepped per batch, an AMP GradScaler, counters):
             a benched rank receives them with the optimizer's.
         probe_every_s: a benched rank times a forward and backward of its last
             batch this often while it waits, and its step cost follows the
