@@ -151,8 +151,9 @@ class Rebalancer:
             does not pay are benched at epoch starts (see the module
             docstring); a benched rank receives its state at each epoch's end.
         state: more objects with ``state_dict()`` / ``load_state_dict()`` that
-            change with the steps (LR schedulers stepped per batch, an AMP GradScaler, counters):
-            a benched rank receives them with the optimizer's.
+            change with the steps (LR schedulers stepped per batch, an AMP
+            GradScaler, counters): a benched rank receives them with the
+            optimizer's; an LR scheduler of ``optimizer`` must be among them.
         probe_every_s: a benched rank times a forward and backward of its last
             batch this often while it waits, and its step cost follows the
             probe's speed (``0``: never; see docs/training.md).
