@@ -126,7 +126,8 @@ class Trainer:
             again when it pays or when a training rank is lost.
         stateful: more objects with ``state_dict``/``load_state_dict`` (LR
             schedulers, counters) handed to joiners; their state must be plain
-            data and tensors.
+            data and tensors. An LR scheduler of ``optimizer`` must be among
+            them (:meth:`fit` raises otherwise: a joiner would restart it).
         timeout: the process group's timeout in seconds: a silent peer (a
             stopped process, a hung device) counts as lost after it.
         quorum_timeout: seconds to wait for a member that neither answered
@@ -234,6 +235,14 @@ class Trainer:
             ElasticError: the job cannot go on (the message says why): this
                 worker was excluded, too few nodes are left, the store is gone.
         """
+        from kaitian.training.rebalance import scheduler_left_out
+
+        if scheduler_left_out(self.optimizer, list(self.stateful.values())):
+            raise TrainingError(
+                "kaitian.elastic.Trainer: the optimizer has an LR scheduler that stateful= does not hold; a worker "
+                "that joins or comes back takes the optimizer's state from the others but would start its schedule "
+                "again, and step with another learning rate: pass it, Trainer(..., stateful={'scheduler': "
+                "scheduler}) (or trainer.stateful['scheduler'] = scheduler before fit)")
         self._on_event = on_event
         if not self._start():
             return False

@@ -650,14 +650,12 @@ class Rebalancer:
         """A benched rank runs no optimizer step, so an LR scheduler it does not receive with the
         optimizer's state stands still there, and once called back the rank would step with another
         learning rate than the others: their weights silently apart. Checked at every round, before
-        any bench, alike on every training rank (torch marks an optimizer a scheduler steps with)."""
-        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched") and not any(
-                getattr(obj, "optimizer", None) is self.optimizer for obj in self.state):
+        any bench, alike on every training rank."""
+        if scheduler_left_out(self.optimizer, self.state):
             raise TrainingError(
                 "kaitian.Rebalancer: the optimizer has an LR scheduler that state= does not hold; a benched rank "
                 "runs no step, so its schedule would stand still and, called back, it would train with another "
-                "learning rate: pass it, Rebalancer(..., optimizer=optimizer, state=[scheduler]) "
-                "(kaitian.elastic.Trainer(..., stateful={'scheduler': scheduler}))")
+                "learning rate: pass it, Rebalancer(..., optimizer=optimizer, state=[scheduler])")
 
     def _source(self) -> int:
         """The rank that tells the benched ones: the first that trains."""
@@ -925,6 +923,14 @@ class Rebalancer:
 
 _MAX_SKELETON = 1 << 30  # bytes of a state's structure (its tensors travel apart)
 _ALIGN = 16  # bytes: a packed tensor's start (the largest dtype's size)
+
+
+def scheduler_left_out(optimizer: torch.optim.Optimizer, objects: Sequence[Any]) -> bool:
+    """Whether an LR scheduler steps ``optimizer`` (torch marks the ``step`` of an optimizer a scheduler
+    was made for) and none of ``objects`` is one of its: a rank that takes the optimizer's state from
+    the others, and not that scheduler's, would step with another learning rate."""
+    return hasattr(optimizer.step, "_wrapped_by_lr_sched") and not any(
+        getattr(obj, "optimizer", None) is optimizer for obj in objects)
 
 
 def _trainers(split: Sequence[int]) -> List[int]:

@@ -199,6 +199,19 @@ def test_example_goes_on_when_a_worker_is_killed_from_outside(tmp_path):
     assert_one_process_weights(str(tmp_path / "w.json"), batches)
 
 
+def test_an_lr_schedule_a_joiner_would_not_receive_fails_every_worker_before_its_first_step(tmp_path):
+    """A per-step LR schedule made after the trainer and left out of ``stateful=``: a worker that
+    joins or comes back takes the model and the optimizer from the others, but its schedule would
+    start again and step with another learning rate (the weights silently apart). Every worker
+    fails before its first step, saying what to pass."""
+    run = run_elastic(tmp_path, ["--nproc-per-node", "2", "--max-restarts", "0"], ["--schedule-not-stateful"],
+                      timeout=120)
+    assert run.returncode != 0 and not run.steps(), run.output[-4000:]
+    line = ("TrainingError: kaitian.elastic.Trainer: the optimizer has an LR scheduler that stateful= does not hold; "
+            "a worker that joins or comes back")
+    assert run.output.count(line) == 2, run.output[-4000:]
+
+
 def test_a_script_without_the_trainer_is_restarted_as_under_restart(tmp_path):
     """Continue mode needs kaitian.elastic.Trainer; a plain script that loses a worker is restarted whole."""
     proc = subprocess.run(

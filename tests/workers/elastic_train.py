@@ -64,6 +64,8 @@ def main():
                                              "every step (a fixed cost: the re-balancer benches it)")
     p.add_argument("--samples", type=int, default=480, help="dataset size")
     p.add_argument("--ddp", default="kaitian")
+    p.add_argument("--schedule-not-stateful", action="store_true", help="a per-step LR schedule made after the "
+                   "trainer and left out of stateful=: a joiner would start it again")
     args = p.parse_args()
     member = os.environ["KAITIAN_ELASTIC_ID"]
     tag = member.replace("/", "_").replace(":", "_")
@@ -127,12 +129,15 @@ def main():
         rebalance={"every": 4} if args.rebalance else None,
         timeout=args.timeout, quorum_timeout=args.quorum_timeout,
     )
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 7, 0.9) if args.schedule_not_stateful else None
     with open(os.path.join(args.out, f"start-{tag}.json"), "w") as f:  # where the workers' store is
         json.dump({"store": os.environ["MASTER_ADDR"], "launch_rank": launch_rank}, f)
     steps = open(os.path.join(args.out, f"steps-{tag}.jsonl"), "a")
     events = open(os.path.join(args.out, f"events-{tag}.jsonl"), "a")
 
     def on_step(info):
+        if schedule is not None:
+            schedule.step()
         steps.write(json.dumps({"applied": info.applied, "epoch": info.epoch, "step": info.step,
                                 "rank": info.rank, "world": info.world, "generation": info.generation,
                                 "indices": info.indices, "split": info.split, "time": time.time()}) + "\n")
