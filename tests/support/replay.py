@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from support import REPO
 
 __all__ = ["examples_common", "replay_weights", "train_on_steps", "logged_batches", "logged_micro_batches",
-           "max_difference"]
+           "global_batches", "max_difference"]
 
 
 def examples_common():
@@ -64,6 +64,18 @@ def logged_batches(log_dir: str, world: int) -> List[List[List[int]]]:
     """Per rank, per step: the sample indices the run logged (its micro-batches in order)."""
     return [[[i for micro in step for i in micro] for step in rank]
             for rank in logged_micro_batches(log_dir, world)]
+
+
+def global_batches(trained_by_rank, epochs: int, samples: int) -> List[List[int]]:
+    """Each ``(epoch, step)``'s union of the ranks' ``(epoch, step, indices)`` records, in order; checks that
+    every sample was trained once an epoch, whoever trained it (a spare's epochs have no records)."""
+    steps = {}
+    for trained in trained_by_rank:
+        for epoch, step, indices in trained:
+            steps.setdefault((epoch, step), []).extend(indices)
+    for epoch in range(epochs):
+        assert sorted(i for (e, _), part in steps.items() if e == epoch for i in part) == list(range(samples))
+    return [steps[key] for key in sorted(steps)]
 
 
 def train_on_steps(logs, x, y, model, lr, momentum=0.0, accumulation=None):

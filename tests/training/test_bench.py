@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from support import worker
 from support.ranks import Layout, cleanup, run_ranks, tail
+from support.replay import global_batches
 
 
 def _replay(trained_by_rank, epochs, samples=200):
@@ -26,15 +27,9 @@ def _replay(trained_by_rank, epochs, samples=200):
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    steps = {}
-    for trained in trained_by_rank:
-        for epoch, step, indices in trained:
-            steps.setdefault((epoch, step), []).extend(indices)
-    for epoch in range(epochs):  # every sample once per epoch, whoever trained it
-        assert sorted(i for (e, _), part in steps.items() if e == epoch for i in part) == list(range(samples))
-    for key in sorted(steps):
+    for batch in global_batches(trained_by_rank, epochs, samples):
         opt.zero_grad()
-        F.mse_loss(net(x[steps[key]]), y[steps[key]]).backward()
+        F.mse_loss(net(x[batch]), y[batch]).backward()
         opt.step()
         schedule.step()
     return [p.detach().reshape(-1).tolist() for p in net.parameters()], opt.param_groups[0]["lr"]

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from support import repo_env, worker
-from support.replay import examples_common, logged_batches, max_difference, replay_weights, train_on_steps
+from support.replay import (examples_common, global_batches, logged_batches, max_difference, replay_weights,
+                            train_on_steps)
 
 
 def test_killed_worker_resumes_mid_epoch_without_repeats_or_gaps(tmp_path):
@@ -52,17 +53,12 @@ def test_a_benched_rank_is_checkpointed_by_the_trainers_and_resumed_as_a_spare(t
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["attempt"] == 1 and result["resumed_at"] == resumed_at and result["steps"] == 45, result
     assert result["resumed_split"] == [32, 0], result  # the premise: the checkpoint held a spare
-    steps = {}
-    for rank in range(2):
-        with open(tmp_path / f"rank-{rank}.jsonl") as f:
-            for epoch, step, index in map(json.loads, f):
-                steps.setdefault((epoch, step), []).extend(index)
-    assert sorted(steps) == [(e, s) for e in range(3) for s in range(15)]
-    for epoch in range(3):
-        assert sorted(i for s in range(15) for i in steps[(epoch, s)]) == list(range(480))
+    trained = [list(map(json.loads, (tmp_path / f"rank-{r}.jsonl").read_text().splitlines())) for r in range(2)]
+    assert sorted({(e, s) for rank in trained for e, s, _ in rank}) == [(e, s) for e in range(3) for s in range(15)]
     common = examples_common()
     x, y, _ = common.make_dataset().tensors
-    replay = train_on_steps([[steps[key] for key in sorted(steps)]], x, y, common.make_model(), lr=0.1, momentum=0.9)
+    replay = train_on_steps([global_batches(trained, epochs=3, samples=480)], x, y, common.make_model(), lr=0.1,
+                            momentum=0.9)
     assert max_difference(json.loads((tmp_path / "weights.json").read_text()), replay) < 1e-9
 
 
