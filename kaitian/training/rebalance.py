@@ -282,12 +282,11 @@ class Rebalancer:
             if self.seconds > 0:
                 model.set_round_vote(self._time_for_round)
         self._away = False  # the world group knows that spares are away from its collectives
-        if self.optimizer is not None:
-            model.add_before_step(self._mark_spares_away)  # after the switch to the trainers' group
 
     @property
     def group(self) -> dist.ProcessGroup:
-        """The process group of the training ranks (the rounds within an epoch run there)."""
+        """The process group of the training ranks (the rounds within an epoch run there); on a benched
+        rank, a group of its own (from the optimizer step of the last batch it trained)."""
         model = self._model_ref()
         return model.training_group if model is not None else self.world_group
 
@@ -405,8 +404,7 @@ class Rebalancer:
     def _on_before_step(self, step: int, round_requested: bool = False) -> None:
         self._ddp_step = step
         if self._switch is not None and step >= self._switch[0]:
-            self._train_in(self._switch[1])
-            self._switch = None
+            self._apply_switch()
         if self._switch is not None:
             # a bench takes effect at a step set already; till then each rank's split changes at its
             # own draw of that step (loaders draw ahead by different amounts): no round, on any rank
@@ -479,8 +477,8 @@ class Rebalancer:
             lead = max(ahead)
             self.sampler.set_split(new, after_draws=lead - self._ahead())
             self._switch = (self._ddp_step + 1 + lead, staying)
-            if dist.get_rank(self.world_group) in staying:
-                self._group_of(staying)
+            me = dist.get_rank(self.world_group)
+            self._group_of(staying if me in staying else [me])  # made now: the switch may come in a hook
             applied = True
         elif new != old or epoch_start:  # the epoch start's decision also replaces a change still waiting
             self.sampler.set_split(new, after_draws=after_draws)
@@ -613,17 +611,26 @@ class Rebalancer:
         return self._groups[key]
 
     def _train_in(self, training: List[int]) -> None:
-        """The model exchanges among ``training``, from its next step (on those ranks)."""
+        """The model exchanges among ``training``, from its next step; a rank outside it is alone in a
+        group of its own until it trains again, so that a collective in ``balancer.group`` (a logged
+        loss) never waits for a spare."""
         model = self._model_ref()
-        if model is not None and dist.get_rank(self.world_group) in training:
-            model.train_in(self._group_of(training))
+        me = dist.get_rank(self.world_group)
+        if model is None:
+            return
+        model.train_in(self._group_of(training if me in training else [me]))
+        if me in training and len(training) < self.world:
+            self._mark_spares_away([r for r in range(self.world) if r not in training])
 
-    def _mark_spares_away(self, step: int, round_requested: bool = False) -> None:
-        """From a step the trainers take without the spares until the state reaches the spares at the
-        epoch's end, a collective over every rank would wait for a spare: one called meanwhile fails at
-        once, saying where to run it."""
-        if self.group is not self.world_group and not self._away:
-            spares = self._spares()
+    def _apply_switch(self) -> None:
+        """A bench within the epoch takes effect: the ranks change groups."""
+        staying, self._switch = self._switch[1], None
+        self._train_in(staying)
+
+    def _mark_spares_away(self, spares: List[int]) -> None:
+        """Till the state reaches the spares at the epoch's end, a collective over every rank would wait
+        for a spare: one called meanwhile fails at once, saying where to run it."""
+        if not self._away:
             who = f"rank {spares[0]} is" if len(spares) == 1 else f"ranks {', '.join(map(str, spares))} are"
             self._set_away(f"{who} benched by kaitian.Rebalancer (a hot spare: in no collective until the "
                            "epoch's end), so this collective would wait for it; between steps, run collectives "
@@ -637,6 +644,13 @@ class Rebalancer:
             pass
 
     def _after_optimizer_step(self) -> None:
+        if (self._switch is not None and self._ddp_step + 1 >= self._switch[0]
+                and self._steps_trained < self.sampler.num_steps):
+            # The last step the leaving rank trains is done: the rest of the loop body (a logged loss
+            # in balancer.group, say) runs in the new groups already, since a spare whose loader drew
+            # ahead waits for the epoch's end from here (below). A switch due after the epoch's end is
+            # the epoch start's round's to make.
+            self._apply_switch()
         if self._sync_due:
             self._sync_due = False
             self._send_state()

@@ -136,12 +136,19 @@ def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_t
     ``ahead`` 2 it is benched at a draw two steps before the trainers leave it (it waited there,
     and rank 0's next step hung). 641 samples: 20 steps of 32 and a short one, which two ranks pad
     to 2 and rank 0 alone trains as 1; the trainer counted the epoch's end against the padded size,
-    so the state never came and the job hung."""
+    so the state never came and the job hung. Each step ends with a collective in ``balancer.group``
+    (a logged loss): rank 1 waits for the state in its last optimizer step, so the trainers' collective
+    of that step hung on it with a loader that draws ahead; from there it is out of the group."""
     r0, r1, _ = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
                                  "--model-delay1", "0.2", "--epochs", "2", "--every", "3", "--samples", "641",
-                                 "--ahead", str(ahead))
+                                 "--ahead", str(ahead), "--sum-in-group")
     steps_of_1 = {(epoch, step) for epoch, step, _ in r1["trained"]}  # the premise: benched within epoch 0
     assert (0, 0) in steps_of_1 and (0, 20) not in steps_of_1 and all(e == 0 for e, _ in steps_of_1), r0["history"]
+    samples = {(rank, epoch, step): len(index) for rank, r in enumerate((r0, r1)) for epoch, step, index in r["trained"]}
+    for rank, r in enumerate((r0, r1)):  # each step's sum over the group the rank was in: nobody paired wrongly
+        for epoch, step, total, members in r["sums"]:
+            assert total == sum(samples[(m, epoch, step)] for m in members), (rank, epoch, step, members)
+    assert {tuple(m) for *_, m in r0["sums"]} == {(0, 1), (0,)} and r1["sums"][-1][3] == [1], r1["sums"]
     weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=641)
     for r in (r0, r1):
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9

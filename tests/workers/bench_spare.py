@@ -15,7 +15,9 @@ beside rank 0 (their rounds must then stay in step, every ``--every`` steps). Wi
 benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mode (a model
 the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_buffers=False``,
 so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
-has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``. With ``--die1 E`` rank 1 dies in epoch E's third step
+has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``;
+``--sum-in-group`` sums each step's batch sizes in ``balancer.group`` after the optimizer step (a logged
+loss, as the docs advise). With ``--die1 E`` rank 1 dies in epoch E's third step
 (``--die-how``: it raises, or kills itself, so that no exit handler runs). Every rank
 writes the indices it trained per (epoch, step), its shares and its final weights.
 """
@@ -91,6 +93,7 @@ def main():
                    "it alone; rank 0's has 1)")
     p.add_argument("--die1", type=int, default=None, help="rank 1 dies in this epoch's third step ...")
     p.add_argument("--die-how", choices=["raises", "killed"], default="raises", help="... so")
+    p.add_argument("--sum-in-group", action="store_true", help="a collective in balancer.group after each step")
     p.add_argument("--schedule-not-in-state", action="store_true", help="the LR schedule is not handed to the "
                    "spares (state=[]): a rank called back would train with another learning rate")
     args, _ = p.parse_known_args()
@@ -118,7 +121,7 @@ def main():
                                   every=args.every,
                                   probe_every_s=args.probe_every)
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
-    trained, shares = [], []
+    trained, shares, sums = [], [], []
     for epoch in range(args.epochs):
         if epoch == args.speedup:
             delay.seconds = 0.0
@@ -139,9 +142,13 @@ def main():
             opt.step()
             schedule.step()
             trained.append([epoch, step, index.tolist()])
+            if args.sum_in_group:
+                total = torch.tensor([len(xb)], dtype=torch.float64, device=device)
+                dist.all_reduce(total, group=balancer.group)
+                sums.append([epoch, step, total.item(), dist.get_process_group_ranks(balancer.group)])
     with open(os.environ["KT_OUT"], "w") as f:
         json.dump({
-            "rank": rank, "trained": trained, "shares": shares, "lr": opt.param_groups[0]["lr"],
+            "rank": rank, "trained": trained, "shares": shares, "sums": sums, "lr": opt.param_groups[0]["lr"],
             "device": device.type,
             "weights": [p.detach().cpu().reshape(-1).tolist() for p in net.parameters()],
             "history": [[d.step, d.epoch, d.old, d.new, [round(a, 4) for a in d.fixed_s],
