@@ -274,7 +274,8 @@ class DistributedDataParallel(_TorchDDP):
         if self._kt_user_hook is not None or self._kt_builtin_hook is not None:
             return "a communication hook is registered (it reduces over every rank)"
         if self.broadcast_buffers and any(True for _ in self.module.buffers()):
-            return "the model has buffers that DDP broadcasts every step (pass broadcast_buffers=False)"
+            return ("the model has buffers that DDP broadcasts every step (pass broadcast_buffers=False, "
+                    "or forward_sync_buffers=False where torch's DDP has it)")
         return None
 
     def train_in(self, group: dist.ProcessGroup) -> None:
