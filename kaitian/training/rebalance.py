@@ -796,7 +796,10 @@ class Rebalancer:
             if self.while_waiting is not None:
                 self.while_waiting()
             if watch is not None:
-                watch(source, "message to a benched rank")
+                try:
+                    watch(source, "message to a benched rank")
+                except dist.DistBackendError as exc:
+                    raise dist.DistBackendError(f"{exc}. {_LEFT_EARLY}") from None
             self._probe_if_due()
             time.sleep(_SPARE_POLL_S)
         self._received += 1
@@ -973,6 +976,10 @@ def _cost_key(rank: int) -> str:
 
 
 _NO_COST = "none"
+# Why a benched rank's wait can end with its trainers gone though nothing failed.
+_LEFT_EARLY = ("A benched rank waits for the trainers' epoch's end (the state comes then): a loop the trainers "
+               "leave within an epoch (max_steps, a step limit) leaves it waiting, which kaitian.Rebalancer(..., "
+               "optimizer=) cannot follow yet; while ranks may be benched, end training passes at an epoch's end")
 
 
 def published_cost(value: bytes) -> Optional[StepCost]:

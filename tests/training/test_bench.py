@@ -154,6 +154,24 @@ def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_t
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
 
 
+def test_trainers_that_stop_within_an_epoch_leave_the_spare_failing_with_a_line_that_says_so():
+    """A loop that stops at a step count (max_steps) leaves its last epoch early: rank 1, benched within
+    epoch 0, waits for epoch 1's end, which never comes; rank 0 ended normally. The spare fails at
+    once (not at the group's timeout) with a line that names the cause: a benched rank cannot follow
+    a pass the trainers leave early."""
+    run = run_ranks(Layout("1+1"), [worker("bench_spare"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
+                                    "--model-delay1", "0.2", "--epochs", "2", "--every", "3", "--samples", "641",
+                                    "--stop-at", "30"],
+                    timeout=180)
+    try:
+        assert run.returncodes[0] == 0 and run.returncodes[1] == 1 and not run.timed_out, tail(run.logs[0])
+        log = open(run.logs[1]).read()
+        assert "kaitian message to a benched rank: rank 0 failed or exited" in log, tail(log)
+        assert "a loop the trainers leave within an epoch (max_steps, a step limit) leaves it waiting, which " in log, tail(log)
+    finally:
+        cleanup(run)
+
+
 def test_a_spare_whose_model_the_probe_cannot_run_says_so_once_and_stays_benched_exactly():
     """The same run, but rank 1's model raises in eval mode: its first probe fails, it warns
     once and stops probing (its cost stays as last measured), so it is never called back;
