@@ -149,7 +149,8 @@ class Rebalancer:
         group: the process group (default: the model's).
         optimizer: the optimizer stepping the model. Given, ranks whose step
             does not pay are benched at epoch starts (see the module
-            docstring); a benched rank receives its state at each epoch's end.
+            docstring); a benched rank receives its state at the end of each
+            pass (a loop that stops at a step count: :attr:`steps`, :meth:`finish`).
         state: more objects with ``state_dict()`` / ``load_state_dict()`` that
             change with the steps (LR schedulers stepped per batch, an AMP
             GradScaler, counters): a benched rank receives them with the
@@ -221,6 +222,7 @@ class Rebalancer:
         # (kaitian.elastic: a training rank was lost)
         self.while_waiting: Optional[Callable[[], None]] = None
         self.history: List[RebalanceDecision] = []
+        self._job_steps = 0  # the job's synchronised steps (steps)
         self._attach(model, group)
         self._vendor_groups = self._exchange_vendor_groups()
         self.bench_blocker = model.bench_blocker() if optimizer is not None else "no optimizer given"
@@ -281,7 +283,9 @@ class Rebalancer:
             model.add_before_step(self._on_before_step)
             if self.seconds > 0:
                 model.set_round_vote(self._time_for_round)
-        self._away = False  # the world group knows that spares are away from its collectives
+        self._away = False  # the world group knows that spares are away from its collectives: they wait for
+        self._trainers: List[int] = []  # ... these ranks' pass to end (a trainer's view, from _train_in)
+        self._owed: Optional[int] = None  # a benched rank: the trainer that owes it its pass's end state
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -289,6 +293,23 @@ class Rebalancer:
         rank, a group of its own (from the optimizer step of the last batch it trained)."""
         model = self._model_ref()
         return model.training_group if model is not None else self.world_group
+
+    @property
+    def steps(self) -> int:
+        """The job's synchronised steps so far, the same on every rank (a benched rank's comes with the
+        state it receives): a loop that stops at a step count counts these, and ends with
+        :meth:`finish`."""
+        return self._job_steps
+
+    def finish(self) -> None:
+        """Ends training on this rank: call it on every rank after the training loops. A pass the
+        trainers left within an epoch (a loop that stops at ``max_steps``) still owes the benched
+        ranks its state, as an epoch's end would: the first trainer sends it, a benched rank takes it
+        (where it waits, or here), and the sends in flight are delivered."""
+        self._end_pass()
+        if self._owed is not None:
+            self.serve_epoch()
+        self.wait_sent()
 
     def rebind(self, model) -> None:
         """Follows a re-formed job (:mod:`kaitian.elastic`): ``model`` is the new
@@ -343,6 +364,7 @@ class Rebalancer:
     def _on_step_end(self, global_samples: int, micro_batches: int) -> None:
         """Each synchronised step as it ends (timings may come a step later, on a device)."""
         self._steps_done += 1
+        self._job_steps += 1
         self._since_round += 1
         self._epoch_steps += 1
         self._one_micro = self._one_micro and micro_batches == 1
@@ -384,6 +406,10 @@ class Rebalancer:
         return self.sampler.state_dict()["step"] - (self._steps_trained + 1)
 
     def _on_epoch(self, epoch: int) -> None:
+        # a pass left within its epoch (a step limit per epoch) ends here, its state to the spares first
+        self._end_pass()
+        if self._owed is not None:
+            self.serve_epoch()
         self._epoch_samples, self._epoch_steps, self._sync_due, self._serve_after = 0, 0, False, None
         if self.sampler.resuming:
             # a checkpoint's epoch goes on under the checkpoint's split, on every rank alike: the
@@ -619,6 +645,7 @@ class Rebalancer:
         if model is None:
             return
         model.train_in(self._group_of(training if me in training else [me]))
+        self._trainers, self._owed = list(training), (None if me in training else min(training))
         if me in training and len(training) < self.world:
             self._mark_spares_away([r for r in range(self.world) if r not in training])
 
@@ -653,12 +680,23 @@ class Rebalancer:
             self._apply_switch()
         if self._sync_due:
             self._sync_due = False
-            self._send_state()
+            if dist.get_rank(self.world_group) == self._source():
+                self._send_state(self._spares())
             if self._away:
                 self._set_away("")
         if self._serve_after is not None and self._steps_trained >= self._serve_after:
             self._serve_after = None
             self.serve_epoch()
+
+    def _end_pass(self) -> None:
+        """This trainer's pass ends before its epoch's last step (its loop was left): the spares that
+        wait for it take the state now, as at an epoch's end."""
+        if not self._away:
+            return
+        spares = [r for r in range(self.world) if r not in self._trainers]
+        if dist.get_rank(self.world_group) == self._trainers[0]:
+            self._send_state(spares)
+        self._set_away("")
 
     def _check_schedulers_travel(self) -> None:
         """A benched rank runs no optimizer step, so an LR scheduler it does not receive with the
@@ -717,6 +755,7 @@ class Rebalancer:
         self.sampler.set_split(new, after_draws=None)
         self._since_round = 0  # the trainers' round of this epoch start, counted as theirs
         me = dist.get_rank(self.world_group)
+        self._owed = _trainers(new)[0]  # this epoch's end comes from the first trainer (called back: now, below)
         if new[me] > 0:
             if self._published:  # trained again, it is measured: its probe's cost is withdrawn
                 _te.default_store().set(_cost_key(me), _NO_COST)
@@ -740,7 +779,9 @@ class Rebalancer:
     def serve_epoch(self) -> None:
         """A benched rank's pass over an epoch: it waits for the epoch's end and takes the state
         (called for you where its loader would start the epoch)."""
-        self._receive_state(self._source())
+        source = self._owed if self._owed is not None else self._source()
+        self._receive_state(source)
+        self._owed = self._serve_after = None
 
     def wait_sent(self) -> None:
         """Waits until the benched ranks have what was sent to them (call it before the group ends)."""
@@ -860,24 +901,21 @@ class Rebalancer:
                 values[2 * r], values[2 * r + 1] = cost.fixed_s, cost.per_sample_s
         return values
 
-    def _send_state(self, spares: Optional[List[int]] = None) -> None:
-        """The first training rank sends the model, the optimizer's state and ``state`` to the
-        benched ranks, without waiting for them: a copy goes out while it trains on.
+    def _send_state(self, spares: List[int]) -> None:
+        """The first training rank (its callers check) sends the model, the optimizer's state and
+        ``state`` to ``spares``, without waiting for them: a copy goes out while it trains on.
 
-        Three tensors, whatever the model: a header (the sizes of the next two), the states'
-        structure pickled with its tensors' shapes and dtypes, and every tensor's bytes packed
+        Three tensors, whatever the model: a header (the sizes of the next two, the job's steps), the
+        states' structure pickled with its tensors' shapes and dtypes, and every tensor's bytes packed
         in one buffer (a benched rank on a slow device spends its time receiving, not unpickling).
         """
-        if dist.get_rank(self.world_group) != self._source():
-            return
-        spares = self._spares() if spares is None else spares
         model = self._model_ref()
         leaves: List[torch.Tensor] = []
         blob = pickle.dumps(_skeleton([obj.state_dict() for obj in [self.optimizer, *self.state]], leaves))
         tensors = [*model.module.parameters(), *model.module.buffers(), *leaves]
         with torch.no_grad():  # a snapshot: the next steps change the originals
             flat, specs = self._packed(tensors)
-        header = torch.tensor([len(blob), flat.numel()], dtype=torch.int64)
+        header = torch.tensor([len(blob), flat.numel(), self._job_steps], dtype=torch.int64)
         works = self._send([header, torch.frombuffer(bytearray(blob), dtype=torch.uint8), flat], spares)
         self._snapshot = (flat, specs, works)
 
@@ -885,12 +923,13 @@ class Rebalancer:
         """A benched rank takes the state the first training rank sends (see :meth:`_send_state`)."""
         model = self._model_ref()
         group = self.world_group
-        header = torch.empty(2, dtype=torch.int64)
+        header = torch.empty(3, dtype=torch.int64)
         self._await_message(source)
         dist.recv(header, source, group=group)
-        size, total = header.tolist()
-        if not 0 < size <= _MAX_SKELETON:
-            raise TrainingError(f"re-balancer: rank {source} sent a state of {size} bytes to a benched rank")
+        size, total, steps = header.tolist()
+        if not 0 < size <= _MAX_SKELETON or steps < 0:
+            raise TrainingError(f"re-balancer: rank {source} sent a state of {size} bytes after {steps} steps to a "
+                                "benched rank")
         data = torch.empty(size, dtype=torch.uint8)
         dist.recv(data, source, group=group)
         skeleton = pickle.loads(data.numpy().tobytes())
@@ -908,6 +947,7 @@ class Rebalancer:
                 torch._foreach_copy_([t.data for t in targets], _views(flat, specs, offsets))
         for obj, state in zip([self.optimizer, *self.state], _filled(skeleton, iter(leaves))):
             obj.load_state_dict(state)
+        self._job_steps = steps
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -919,7 +959,7 @@ class Rebalancer:
         """
         return {"per_sample_s": [c.per_sample_s for c in self._known], "fixed_s": [c.fixed_s for c in self._known],
                 "exchange_s": self._exchange_s, "within_s": dict(self._within_s), "step": self._step,
-                "world": self.world}
+                "steps": self._job_steps, "world": self.world}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from :meth:`state_dict`: every rank's fitted step cost comes back (a benched rank's
@@ -933,6 +973,7 @@ class Rebalancer:
         self._exchange_s = float(state.get("exchange_s", 0.0))
         self._within_s = {str(g): float(t) for g, t in state.get("within_s", {}).items()}
         self._step = int(state["step"])
+        self._job_steps = int(state.get("steps", 0))
         self._fit.clear()
         self._fit_window_done()
         self._skip = self.warmup_steps
@@ -977,9 +1018,9 @@ def _cost_key(rank: int) -> str:
 
 _NO_COST = "none"
 # Why a benched rank's wait can end with its trainers gone though nothing failed.
-_LEFT_EARLY = ("A benched rank waits for the trainers' epoch's end (the state comes then): a loop the trainers "
-               "leave within an epoch (max_steps, a step limit) leaves it waiting, which kaitian.Rebalancer(..., "
-               "optimizer=) cannot follow yet; while ranks may be benched, end training passes at an epoch's end")
+_LEFT_EARLY = ("A benched rank waits for the state at the end of the trainers' pass: a loop the trainers leave "
+               "within an epoch (max_steps, a step limit) ends with balancer.finish() on every rank, and counts "
+               "balancer.steps (the job's, the same on a benched rank)")
 
 
 def published_cost(value: bytes) -> Optional[StepCost]:

@@ -154,20 +154,37 @@ def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_t
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
 
 
-def test_trainers_that_stop_within_an_epoch_leave_the_spare_failing_with_a_line_that_says_so():
-    """A loop that stops at a step count (max_steps) leaves its last epoch early: rank 1, benched within
-    epoch 0, waits for epoch 1's end, which never comes; rank 0 ended normally. The spare fails at
-    once (not at the group's timeout) with a line that names the cause: a benched rank cannot follow
-    a pass the trainers leave early."""
+@pytest.mark.parametrize("leave", [["--stop-at", "30"], ["--steps-per-epoch", "15", "--epochs", "3"]],
+                         ids=["max_steps", "steps_per_epoch"])
+def test_trainers_that_leave_a_pass_within_an_epoch_hand_the_spare_their_state(leave):
+    """Rank 1 is benched within epoch 0 (21 steps); the loops leave a pass early: at the job's 30th step
+    (``balancer.steps``, epoch 1 step 9) then ``balancer.finish()``, or after 15 steps of every epoch.
+    The spare, waiting for the end of the pass, takes the state there (the finish, or the next epoch's
+    start) instead of waiting for an epoch's end that never comes: both ranks end with the steps and
+    the weights of one process trained on the same global batches."""
+    r0, r1, _ = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
+                                 "--model-delay1", "0.2", "--epochs", "2", "--every", "3", "--samples", "641", *leave)
+    steps_of_1 = {(epoch, step) for epoch, step, _ in r1["trained"]}  # the premise: benched within epoch 0's pass
+    assert (0, 0) in steps_of_1 and (0, 14) not in steps_of_1 and all(e == 0 for e, _ in steps_of_1), r0["history"]
+    expected = 30 if "--stop-at" in leave else 45
+    assert r0["steps"] == r1["steps"] == len(r0["trained"]) == expected, (r0["steps"], r1["steps"])
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=0, samples=641)
+    assert r0["lr"] == r1["lr"] == lr
+    for r in (r0, r1):
+        assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
+
+
+def test_a_loop_left_within_an_epoch_without_finish_leaves_the_spare_failing_with_a_line_that_says_so():
+    """The same max_steps loop without ``balancer.finish()``: the spare waits for epoch 1's end, which never
+    comes; rank 0 ends normally. The spare fails at once (not at the group's timeout), saying what to do."""
     run = run_ranks(Layout("1+1"), [worker("bench_spare"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
                                     "--model-delay1", "0.2", "--epochs", "2", "--every", "3", "--samples", "641",
-                                    "--stop-at", "30"],
-                    timeout=180)
+                                    "--stop-at", "30", "--no-finish"], timeout=180)
     try:
         assert run.returncodes[0] == 0 and run.returncodes[1] == 1 and not run.timed_out, tail(run.logs[0])
         log = open(run.logs[1]).read()
         assert "kaitian message to a benched rank: rank 0 failed or exited" in log, tail(log)
-        assert "a loop the trainers leave within an epoch (max_steps, a step limit) leaves it waiting, which " in log, tail(log)
+        assert "a loop the trainers leave within an epoch (max_steps, a step limit) ends with balancer.finish()" in log
     finally:
         cleanup(run)
 

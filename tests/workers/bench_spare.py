@@ -17,8 +17,9 @@ the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_bu
 so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
 has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``;
 ``--sum-in-group`` sums each step's batch sizes in ``balancer.group`` after the optimizer step (a logged
-loss, as the docs advise); ``--stop-at N``: every rank leaves its loops once it trained N steps (a
-max_steps loop). With ``--die1 E`` rank 1 dies in epoch E's third step
+loss, as the docs advise); ``--stop-at N``: the loops end once the job took N steps (``balancer.steps``,
+a max_steps loop); ``--steps-per-epoch K``: each pass is left after its K-th step; ``--no-finish``: no
+``balancer.finish()`` after the loops. With ``--die1 E`` rank 1 dies in epoch E's third step
 (``--die-how``: it raises, or kills itself, so that no exit handler runs). Every rank
 writes the indices it trained per (epoch, step), its shares and its final weights.
 """
@@ -94,7 +95,9 @@ def main():
                    "it alone; rank 0's has 1)")
     p.add_argument("--die1", type=int, default=None, help="rank 1 dies in this epoch's third step ...")
     p.add_argument("--die-how", choices=["raises", "killed"], default="raises", help="... so")
-    p.add_argument("--stop-at", type=int, default=None, help="leave the loops after this many steps of its own")
+    p.add_argument("--stop-at", type=int, default=None, help="leave the loops once the job took this many steps")
+    p.add_argument("--steps-per-epoch", type=int, default=None, help="leave each pass after this many steps")
+    p.add_argument("--no-finish", action="store_true", help="no balancer.finish() after the loops")
     p.add_argument("--sum-in-group", action="store_true", help="a collective in balancer.group after each step")
     p.add_argument("--schedule-not-in-state", action="store_true", help="the LR schedule is not handed to the "
                    "spares (state=[]): a rank called back would train with another learning rate")
@@ -125,7 +128,7 @@ def main():
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
     trained, shares, sums = [], [], []
     for epoch in range(args.epochs):
-        if len(trained) == args.stop_at:
+        if args.stop_at is not None and balancer.steps >= args.stop_at:
             break
         if epoch == args.speedup:
             delay.seconds = 0.0
@@ -150,11 +153,13 @@ def main():
                 total = torch.tensor([len(xb)], dtype=torch.float64, device=device)
                 dist.all_reduce(total, group=balancer.group)
                 sums.append([epoch, step, total.item(), dist.get_process_group_ranks(balancer.group)])
-            if len(trained) == args.stop_at:
+            if (args.stop_at is not None and balancer.steps >= args.stop_at) or step + 1 == args.steps_per_epoch:
                 break
+    if not args.no_finish:
+        balancer.finish()
     with open(os.environ["KT_OUT"], "w") as f:
         json.dump({
-            "rank": rank, "trained": trained, "shares": shares, "sums": sums, "lr": opt.param_groups[0]["lr"],
+            "rank": rank, "trained": trained, "shares": shares, "sums": sums, "steps": balancer.steps, "lr": opt.param_groups[0]["lr"],
             "device": device.type,
             "weights": [p.detach().cpu().reshape(-1).tolist() for p in net.parameters()],
             "history": [[d.step, d.epoch, d.old, d.new, [round(a, 4) for a in d.fixed_s],
