@@ -307,8 +307,6 @@ class Rebalancer:
         ranks its state, as an epoch's end would: the first trainer sends it, a benched rank takes it
         (where it waits, or here), and the sends in flight are delivered."""
         self._end_pass()
-        if self._owed is not None:
-            self.serve_epoch()
         self.wait_sent()
 
     def rebind(self, model) -> None:
@@ -406,10 +404,7 @@ class Rebalancer:
         return self.sampler.state_dict()["step"] - (self._steps_trained + 1)
 
     def _on_epoch(self, epoch: int) -> None:
-        # a pass left within its epoch (a step limit per epoch) ends here, its state to the spares first
-        self._end_pass()
-        if self._owed is not None:
-            self.serve_epoch()
+        self._end_pass()  # a pass left within its epoch (a step limit per epoch) ends here
         self._epoch_samples, self._epoch_steps, self._sync_due, self._serve_after = 0, 0, False, None
         if self.sampler.resuming:
             # a checkpoint's epoch goes on under the checkpoint's split, on every rank alike: the
@@ -641,9 +636,9 @@ class Rebalancer:
         group of its own until it trains again, so that a collective in ``balancer.group`` (a logged
         loss) never waits for a spare."""
         model = self._model_ref()
-        me = dist.get_rank(self.world_group)
         if model is None:
             return
+        me = dist.get_rank(self.world_group)
         model.train_in(self._group_of(training if me in training else [me]))
         self._trainers, self._owed = list(training), (None if me in training else min(training))
         if me in training and len(training) < self.world:
@@ -680,23 +675,21 @@ class Rebalancer:
             self._apply_switch()
         if self._sync_due:
             self._sync_due = False
-            if dist.get_rank(self.world_group) == self._source():
-                self._send_state(self._spares())
-            if self._away:
-                self._set_away("")
+            self._end_pass()
         if self._serve_after is not None and self._steps_trained >= self._serve_after:
             self._serve_after = None
             self.serve_epoch()
 
     def _end_pass(self) -> None:
-        """This trainer's pass ends before its epoch's last step (its loop was left): the spares that
-        wait for it take the state now, as at an epoch's end."""
-        if not self._away:
-            return
-        spares = [r for r in range(self.world) if r not in self._trainers]
-        if dist.get_rank(self.world_group) == self._trainers[0]:
-            self._send_state(spares)
-        self._set_away("")
+        """This rank's pass over the epoch ends (at its last step, or where its loop was left): the
+        spares waiting for the trainers' pass take the state from the first of them, and a spare still
+        owed it takes it here."""
+        if self._away:
+            if dist.get_rank(self.world_group) == self._trainers[0]:
+                self._send_state([r for r in range(self.world) if r not in self._trainers])
+            self._set_away("")
+        if self._owed is not None:
+            self.serve_epoch()
 
     def _check_schedulers_travel(self) -> None:
         """A benched rank runs no optimizer step, so an LR scheduler it does not receive with the
@@ -902,7 +895,7 @@ class Rebalancer:
         return values
 
     def _send_state(self, spares: List[int]) -> None:
-        """The first training rank (its callers check) sends the model, the optimizer's state and
+        """The first training rank (the callers check) sends the model, the optimizer's state and
         ``state`` to ``spares``, without waiting for them: a copy goes out while it trains on.
 
         Three tensors, whatever the model: a header (the sizes of the next two, the job's steps), the
