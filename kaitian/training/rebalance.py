@@ -665,14 +665,17 @@ class Rebalancer:
         except ValueError:  # not backend kaitian: such a collective waits for the group's timeout
             pass
 
-    def _after_optimizer_step(self) -> None:
+    def _switch_if_due(self) -> None:
+        """The last step the leaving rank trains is done: the rest of the loop body (a logged loss in
+        balancer.group, say) runs in the new groups already, since a spare whose loader drew ahead waits
+        for the epoch's end from here (:meth:`_after_optimizer_step`). A switch due after the epoch's
+        end is the epoch start's round's to make."""
         if (self._switch is not None and self._ddp_step + 1 >= self._switch[0]
                 and self._steps_trained < self.sampler.num_steps):
-            # The last step the leaving rank trains is done: the rest of the loop body (a logged loss
-            # in balancer.group, say) runs in the new groups already, since a spare whose loader drew
-            # ahead waits for the epoch's end from here (below). A switch due after the epoch's end is
-            # the epoch start's round's to make.
             self._apply_switch()
+
+    def _after_optimizer_step(self) -> None:
+        self._switch_if_due()
         if self._sync_due:
             self._sync_due = False
             self._end_pass()
@@ -683,7 +686,9 @@ class Rebalancer:
     def _end_pass(self) -> None:
         """This rank's pass over the epoch ends (at its last step, or where its loop was left): the
         spares waiting for the trainers' pass take the state from the first of them, and a spare still
-        owed it takes it here."""
+        owed it takes it here. A loop that skipped that step's optimizer step (an AMP GradScaler's
+        overflow) makes the switch here."""
+        self._switch_if_due()
         if self._away:
             if dist.get_rank(self.world_group) == self._trainers[0]:
                 self._send_state([r for r in range(self.world) if r not in self._trainers])

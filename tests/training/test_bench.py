@@ -18,8 +18,9 @@ from support.ranks import Layout, cleanup, run_ranks, tail
 from support.replay import global_batches
 
 
-def _replay(trained_by_rank, epochs, samples=200):
-    """One process on the union of each (epoch, step)'s batches: the same model, optimizer, schedule."""
+def _replay(trained_by_rank, epochs, samples=200, skipped=()):
+    """One process on the union of each (epoch, step)'s batches: the same model, optimizer, schedule
+    (``skipped``: the steps, counted over the run, without an optimizer step)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 8, generator=g, dtype=torch.float64)
     y = torch.randn(samples, 1, generator=g, dtype=torch.float64)
@@ -27,10 +28,11 @@ def _replay(trained_by_rank, epochs, samples=200):
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    for batch in global_batches(trained_by_rank, epochs, samples):
+    for step, batch in enumerate(global_batches(trained_by_rank, epochs, samples)):
         opt.zero_grad()
         F.mse_loss(net(x[batch]), y[batch]).backward()
-        opt.step()
+        if step not in skipped:
+            opt.step()
         schedule.step()
     return [p.detach().reshape(-1).tolist() for p in net.parameters()], opt.param_groups[0]["lr"]
 
@@ -129,8 +131,8 @@ def test_a_spare_whose_device_gets_faster_while_benched_is_called_back_by_its_pr
     assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0
 
 
-@pytest.mark.parametrize("ahead", [0, 2])
-def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_the_state(ahead):
+@pytest.mark.parametrize("ahead,skip_from", [(0, None), (2, None), (2, 3)], ids=["0", "2", "2-skipping-steps"])
+def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_the_state(ahead, skip_from):
     """Rank 1 (0.2 s a forward) is benched by a round within epoch 0 (21 steps, a round every 3).
     Before its wait for the epoch's end, it trains beside rank 0 every batch its loader drew: with
     ``ahead`` 2 it is benched at a draw two steps before the trainers leave it (it waited there,
@@ -138,18 +140,24 @@ def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_t
     to 2 and rank 0 alone trains as 1; the trainer counted the epoch's end against the padded size,
     so the state never came and the job hung. Each step ends with a collective in ``balancer.group``
     (a logged loss): rank 1 waits for the state in its last optimizer step, so the trainers' collective
-    of that step hung on it with a loader that draws ahead; from there it is out of the group."""
+    of that step hung on it with a loader that draws ahead; from there it is out of the group. Epoch
+    0's steps from ``skip_from`` on skip the optimizer step (an AMP GradScaler's overflow): rank 1 then
+    never left the group nor waited, and took the next epoch's word for the state."""
+    skipping = [] if skip_from is None else ["--skip-from", str(skip_from)]
     r0, r1, _ = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
                                  "--model-delay1", "0.2", "--epochs", "2", "--every", "3", "--samples", "641",
-                                 "--ahead", str(ahead), "--sum-in-group")
+                                 "--ahead", str(ahead), "--sum-in-group", *skipping)
     steps_of_1 = {(epoch, step) for epoch, step, _ in r1["trained"]}  # the premise: benched within epoch 0
     assert (0, 0) in steps_of_1 and (0, 20) not in steps_of_1 and all(e == 0 for e, _ in steps_of_1), r0["history"]
     samples = {(rank, epoch, step): len(index) for rank, r in enumerate((r0, r1)) for epoch, step, index in r["trained"]}
     for rank, r in enumerate((r0, r1)):  # each step's sum over the group the rank was in: nobody paired wrongly
         for epoch, step, total, members in r["sums"]:
             assert total == sum(samples[(m, epoch, step)] for m in members), (rank, epoch, step, members)
-    assert {tuple(m) for *_, m in r0["sums"]} == {(0, 1), (0,)} and r1["sums"][-1][3] == [1], r1["sums"]
-    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=641)
+    # its last step's collective: in its own group, or (its optimizer step skipped) still in the old one
+    last_group = [1] if skip_from is None else [0, 1]
+    assert {tuple(m) for *_, m in r0["sums"]} == {(0, 1), (0,)} and r1["sums"][-1][3] == last_group, r1["sums"]
+    skipped = range(skip_from, 21) if skip_from is not None else ()
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=641, skipped=skipped)
     for r in (r0, r1):
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
 

@@ -99,6 +99,8 @@ def main():
     p.add_argument("--steps-per-epoch", type=int, default=None, help="leave each pass after this many steps")
     p.add_argument("--no-finish", action="store_true", help="no balancer.finish() after the loops")
     p.add_argument("--sum-in-group", action="store_true", help="a collective in balancer.group after each step")
+    p.add_argument("--skip-from", type=int, default=None, help="epoch 0's steps from this one skip the optimizer "
+                   "step (as an AMP GradScaler does on an overflow); the schedule still steps")
     p.add_argument("--schedule-not-in-state", action="store_true", help="the LR schedule is not handed to the "
                    "spares (state=[]): a rank called back would train with another learning rate")
     args, _ = p.parse_known_args()
@@ -146,7 +148,8 @@ def main():
             out = model(xb.to(device))
             spend(slow, args.busy)
             F.mse_loss(out, yb.to(device)).backward()
-            opt.step()
+            if args.skip_from is None or epoch > 0 or step < args.skip_from:
+                opt.step()
             schedule.step()
             trained.append([epoch, step, index.tolist()])
             if args.sum_in_group:
