@@ -120,8 +120,9 @@ def decide(
     that announced and are not gone, then the joiners in the order they came
     (as many as the global batch can give ``min_batch`` each). Training goes
     on from the most steps any member applied; the first member that applied
-    them is the source of the state when members differ. A group that failed
-    while every member is still there lost nobody: a bug in the script (ranks
+    them (a training one where one is left) is the source of the state when
+    members differ or one was benched. A group that failed while every
+    member is still there lost nobody: a bug in the script (ranks
     issuing different collectives) or a peer slower than the timeout, which
     another generation would only repeat; the decision says so.
 
@@ -161,7 +162,10 @@ def decide(
     if len(nodes) < min_nodes:
         return _failed(decision, f"only {len(nodes)} node(s) left, below --nnodes MIN={min_nodes}")
     best = max(a.applied for a in holders)
-    lead = next(a for a in holders if a.applied == best)
+    # A benched rank's state is its copy of the epoch's end, which left the optimizer step before the
+    # loop's own steps after it (a per-step LR schedule, a GradScaler's update): a trainer's is live.
+    current = [a for a in holders if a.applied == best]
+    lead = next((a for a in current if a.share > 0), current[0])
     shares = [a.share for a in holders if a.share > 0]
     mean = sum(shares) / len(shares) if shares else 1.0
     weights = [a.share if a.applied is not None and a.share > 0 else _group_mean(a.group, holders, mean)
@@ -170,7 +174,7 @@ def decide(
         split = proportional_split(global_batch, weights, minimum=min_batch)
     except SplitError as e:
         return _failed(decision, f"cannot split the global batch over {len(members)} members: {e}")
-    transfer = any(a.applied != best for a in members)
+    transfer = any(a.applied != best or a.share == 0 for a in members if a is not lead)
     return Decision(generation, ids, split, source=ids.index(lead.id) if transfer else -1, applied=best,
                 epoch=lead.epoch, step=lead.step, excluded=excluded, joiners_seen=joiners_seen)
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from support import REPO, repo_env
 from support.elastic import assert_one_process_weights, check_exact, expected_batches, run_elastic
 
@@ -163,6 +165,27 @@ def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path):
     after = [r for r in records if r["generation"] > 0]
     assert after and {r["member"] for r in after} >= {spare}  # called back: it trains in the next generation
     assert run.member(1, 0) not in {r["member"] for r in after}
+
+
+@pytest.mark.parametrize("fails,goes_on_after", [(["applied@10:1"], 10)], ids=["a-trainer-as-the-epoch-ends"])
+def test_a_spare_called_back_trains_on_with_the_live_schedule(tmp_path, fails, goes_on_after):
+    """As above, with a per-step LR schedule stepped after each optimizer step. The spare's copy of
+    epoch 0's end left the optimizer step before the schedule's step. A trainer lost after epoch 0's
+    last optimizer step: the spare, as far as the trainers, takes a surviving trainer's live state,
+    not a schedule step behind (the ranks' weights silently apart)."""
+    run = run_elastic(
+        tmp_path,
+        ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
+        ["--epochs", "2", "--rebalance", "--sample-sleep", "0.005", "--slow", "2:0.3", "--degraded-sleep", "0",
+         "--step-lr", "3:0.5", *(f"--fail={spec}" for spec in fails)],
+    )
+    assert run.returncode == 0, run.output[-6000:]
+    spare, records = run.member(2, 0), [r for recs in run.steps().values() for r in recs]
+    assert {r["applied"] for r in records if r["member"] == spare and r["generation"] == 0} < set(range(1, 11))
+    after = [r for r in records if r["generation"] > 0]
+    assert spare in {r["member"] for r in after}  # benched in epoch 0, called back
+    assert min(r["applied"] for r in after) == goes_on_after + 1, run.output[-6000:]
+    check_exact(run, epochs=2, global_batch=GLOBAL_BATCH, step_lr=(3, 0.5))
 
 
 def test_example_goes_on_when_a_worker_is_killed_from_outside(tmp_path):

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -109,7 +109,7 @@ def expected_batches(epochs: int, global_batch: int, seed: int = 0, samples: int
 
 
 def check_exact(run: Run, epochs: int, global_batch: int, lr: float = 0.1, momentum: float = 0.9,
-                samples: int = DATASET) -> List[List[dict]]:
+                samples: int = DATASET, step_lr: Optional[Tuple[int, float]] = None) -> List[List[dict]]:
     """Asserts the run trained each global batch once, in order, to one process's weights (fp64, 1e-9).
 
     Every step was applied by one generation, the last that applied it (the
@@ -144,16 +144,17 @@ def check_exact(run: Run, epochs: int, global_batch: int, lr: float = 0.1, momen
         else:
             assert set(union) <= set(batch) and len(union) == len(set(union)), applied
         records.append(recs)
-    assert_one_process_weights(os.path.join(run.out, "weights.json"), batches, lr, momentum, samples)
+    assert_one_process_weights(os.path.join(run.out, "weights.json"), batches, lr, momentum, samples, step_lr)
     return records
 
 
 def assert_one_process_weights(path: str, batches: List[List[int]], lr: float = 0.1, momentum: float = 0.9,
-                               samples: int = DATASET) -> None:
-    """The weights saved at ``path`` are one process's after SGD on ``batches`` (fp64, 1e-9)."""
+                               samples: int = DATASET, step_lr: Optional[Tuple[int, float]] = None) -> None:
+    """The weights saved at ``path`` are one process's after SGD on ``batches`` (fp64, 1e-9; ``step_lr``: a
+    per-step ``StepLR``'s ``(step_size, gamma)``)."""
     common = examples_common()
     x, y, _ = common.make_dataset(samples).tensors
-    reference = train_on_steps([batches], x, y, common.make_model(), lr, momentum)
+    reference = train_on_steps([batches], x, y, common.make_model(), lr, momentum, step_lr=step_lr)
     with open(path) as f:
         trained = json.load(f)
     assert max_difference(trained, reference) < 1e-9

@@ -78,10 +78,12 @@ def global_batches(trained_by_rank, epochs: int, samples: int) -> List[List[int]
     return [steps[key] for key in sorted(steps)]
 
 
-def train_on_steps(logs, x, y, model, lr, momentum=0.0, accumulation=None):
+def train_on_steps(logs, x, y, model, lr, momentum=0.0, accumulation=None, step_lr=None):
     """SGD on each step's union of the ranks' batches (``logs``: per rank, per step, per
-    micro-batch or flat; ``accumulation``: as in :func:`replay_weights`)."""
+    micro-batch or flat; ``accumulation``: as in :func:`replay_weights`; ``step_lr``: a
+    per-step ``StepLR``'s ``(step_size, gamma)``)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, *step_lr) if step_lr else None
     for step in zip(*logs):
         step = [_micro_batches(micros) for micros in step]
         assert len({len(micros) for micros in step}) == 1, step  # every rank the same micro-batches
@@ -94,6 +96,8 @@ def train_on_steps(logs, x, y, model, lr, momentum=0.0, accumulation=None):
                 union = [i for part in micro for i in part]
                 (F.mse_loss(model(x[union]), y[union]) / accumulation).backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 
 

@@ -11,6 +11,8 @@ in ``--out`` says it fired):
   was handed to the all-reduce (a comm hook);
 - ``optimizer@N:R``: SIGKILL after the all-reduce and the commit, before
   the optimizer step;
+- ``applied@N:R``: SIGKILL once the step is applied, before the script's
+  own work after it (an LR schedule's step);
 - ``stop@N:R``: SIGSTOP in the forward (the others time out; its agent
   kills it when the survivors leave it out);
 - ``lost@N:R`` / ``agreed@N:R``: SIGKILL while handling the first loss
@@ -66,6 +68,8 @@ def main():
     p.add_argument("--ddp", default="kaitian")
     p.add_argument("--schedule-not-stateful", action="store_true", help="a per-step LR schedule made after the "
                    "trainer and left out of stateful=: a joiner would start it again")
+    p.add_argument("--step-lr", default="", help="STEPS:GAMMA: a per-step StepLR in stateful=, stepped after each "
+                   "applied step")
     args = p.parse_args()
     member = os.environ["KAITIAN_ELASTIC_ID"]
     tag = member.replace("/", "_").replace(":", "_")
@@ -122,12 +126,16 @@ def main():
     dataset = make_dataset(args.samples)
     net = make_model()
     opt = SGD(net.parameters(), lr=0.1, momentum=0.9)
+    step_lr = None
+    if args.step_lr:
+        every, gamma = args.step_lr.split(":")
+        step_lr = torch.optim.lr_scheduler.StepLR(opt, int(every), float(gamma))
     trainer = Trainer(
         net, opt, dataset, batch_size=args.batch_size, capabilities=None, ddp=args.ddp,
         ddp_kwargs={"bucket_cap_mb": 0.001} if args.ddp == "kaitian" else {},
         comm_hook=(None, hook) if any(f.startswith("allreduce@") for f in args.fail) else None,  # on every rank
         rebalance={"every": 4} if args.rebalance else None,
-        timeout=args.timeout, quorum_timeout=args.quorum_timeout,
+        timeout=args.timeout, quorum_timeout=args.quorum_timeout, stateful={"step_lr": step_lr} if step_lr else None,
     )
     schedule = torch.optim.lr_scheduler.StepLR(opt, 7, 0.9) if args.schedule_not_stateful else None
     with open(os.path.join(args.out, f"start-{tag}.json"), "w") as f:  # where the workers' store is
@@ -136,8 +144,10 @@ def main():
     events = open(os.path.join(args.out, f"events-{tag}.jsonl"), "a")
 
     def on_step(info):
-        if schedule is not None:
-            schedule.step()
+        fail_here("applied")
+        for s in (schedule, step_lr):
+            if s is not None:
+                s.step()
         steps.write(json.dumps({"applied": info.applied, "epoch": info.epoch, "step": info.step,
                                 "rank": info.rank, "world": info.world, "generation": info.generation,
                                 "indices": info.indices, "split": info.split, "time": time.time()}) + "\n")
