@@ -20,14 +20,16 @@ themselves (:meth:`kaitian.DistributedDataParallel.train_in`), so it holds
 nobody up. It stays a hot spare: after each epoch's last optimizer step the
 first training rank sends it the model, the optimizer's state and ``state=``
 objects, point to point and without waiting; at each epoch start it learns
-the new split from that rank, and it is called back when the model predicts
-that it pays. A benched rank may wait a whole epoch for its next message,
+the new split from that rank, with what the loop changed after that step (an
+LR schedule's step), and it is called back when the model predicts that it
+pays. A benched rank may wait a whole epoch for its next message,
 longer than any op may take: each message is announced on the process
 group's store first, and the spare posts its receive only then.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import pickle
@@ -727,9 +729,12 @@ class Rebalancer:
         message = torch.tensor([self.sampler.epoch, *new, *(c.fixed_s for c in self._known),
                                 *(c.per_sample_s for c in self._known), *within, self._exchange_s],
                                dtype=torch.float64)
-        self._send([message], spares)
+        benched = [r for r in spares if new[r] == 0]
+        if benched:
+            self._send([message, *self._after_step_state()], benched)
         called_back = [r for r in spares if new[r] > 0]
         if called_back:
+            self._send([message], called_back)
             self._send_state(called_back)
 
     def _follow_as_spare(self) -> None:
@@ -754,7 +759,9 @@ class Rebalancer:
         self._since_round = 0  # the trainers' round of this epoch start, counted as theirs
         me = dist.get_rank(self.world_group)
         self._owed = _trainers(new)[0]  # this epoch's end comes from the first trainer (called back: now, below)
-        if new[me] > 0:
+        if new[me] == 0:
+            self._take_after_step_state(source)
+        else:
             if self._published:  # trained again, it is measured: its probe's cost is withdrawn
                 _te.default_store().set(_cost_key(me), _NO_COST)
                 self._published = False
@@ -763,6 +770,35 @@ class Rebalancer:
             self._skip = self.warmup_steps
         self.history.append(RebalanceDecision(step=self._step, epoch=epoch, per_sample_s=[], old=old, new=new,
                                               applied=new != old))
+
+    def _after_step_state(self) -> List[torch.Tensor]:
+        """What a loop changes after the optimizer step that ends an epoch, which the spares' copy taken
+        in that step lacks: the optimizer's hyperparameters (an LR schedule's step) and the ``state=``
+        objects (a GradScaler's update). Small: a size, then its bytes, for the epoch start's word."""
+        buffer = io.BytesIO()
+        torch.save({"hyper": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                    "state": [obj.state_dict() for obj in self.state]}, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return [torch.tensor([data.numel()], dtype=torch.int64), data]
+
+    def _take_after_step_state(self, source: int) -> None:
+        """A spare staying benched completes its copy of the epoch's end (see :meth:`_after_step_state`)."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, source, group=self.world_group)
+        if not 0 < size.item() <= _MAX_SKELETON:
+            raise TrainingError(f"re-balancer: rank {source} sent {size.item()} bytes of state after the epoch's "
+                                "last step to a benched rank")
+        data = torch.empty(size.item(), dtype=torch.uint8)
+        dist.recv(data, source, group=self.world_group)
+        after = torch.load(io.BytesIO(data.numpy().tobytes()), map_location=self._device, weights_only=False)
+        if len(after["hyper"]) != len(self.optimizer.param_groups) or len(after["state"]) != len(self.state):
+            raise TrainingError(f"re-balancer: rank {source} sent a benched rank the state of {len(after['hyper'])} "
+                                f"parameter groups and {len(after['state'])} state= objects for its "
+                                f"{len(self.optimizer.param_groups)} and {len(self.state)}")
+        for group, hyper in zip(self.optimizer.param_groups, after["hyper"]):
+            group.update(hyper)
+        for obj, state in zip(self.state, after["state"]):
+            obj.load_state_dict(state)
 
     def _serve_as_spare(self, epoch: int) -> None:
         """The sampler benched this rank at its draw of a step. A loader that draws ahead (workers, a

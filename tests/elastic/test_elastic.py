@@ -167,12 +167,15 @@ def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path):
     assert run.member(1, 0) not in {r["member"] for r in after}
 
 
-@pytest.mark.parametrize("fails,goes_on_after", [(["applied@10:1"], 10)], ids=["a-trainer-as-the-epoch-ends"])
+@pytest.mark.parametrize("fails,goes_on_after", [(["applied@10:1"], 10), (["forward@15:0", "forward@15:1"], 10)],
+                         ids=["a-trainer-as-the-epoch-ends", "every-trainer-within-the-next"])
 def test_a_spare_called_back_trains_on_with_the_live_schedule(tmp_path, fails, goes_on_after):
     """As above, with a per-step LR schedule stepped after each optimizer step. The spare's copy of
-    epoch 0's end left the optimizer step before the schedule's step. A trainer lost after epoch 0's
-    last optimizer step: the spare, as far as the trainers, takes a surviving trainer's live state,
-    not a schedule step behind (the ranks' weights silently apart)."""
+    epoch 0's end left the optimizer step before the schedule's step, which the trainers' word at
+    epoch 1's start brings. A trainer lost after epoch 0's last optimizer step, before that word:
+    the spare, as far as the trainers, takes a surviving trainer's live state; every trainer lost
+    within epoch 1: the spare goes on from its copy of epoch 0's end, complete. Either way, not a schedule step behind (the ranks'
+    weights silently apart, or off one process's)."""
     run = run_elastic(
         tmp_path,
         ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
