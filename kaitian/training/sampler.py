@@ -200,9 +200,16 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
         return epoch_layout(len(self.dataset), self._schedule.current, self.min_batch_size, self.drop_last)
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch under the current split."""
-        full, rest = self.layout()
-        return full * self.local_batch_size + (rest[self.rank] if rest else 0)
+        """Samples this rank yields in the epoch's pass (see :meth:`_pass_layout`)."""
+        split, full, rest = self._pass_layout()
+        return full * split[self.rank] + (rest[self.rank] if rest else 0)
+
+    def _pass_layout(self) -> Tuple[List[int], int, Optional[List[int]]]:
+        """The split of the epoch's pass and its :meth:`layout`: before its first draw, a change waiting
+        for the epoch start (the re-balancer's round in ``set_epoch``) is in force already, so that
+        ``len(loader)`` read before the loop counts the batches it will get."""
+        split = self._schedule.at_epoch_start if self._epoch_step == 0 else self.split
+        return (split, *epoch_layout(len(self.dataset), split, self.min_batch_size, self.drop_last))
 
     @property
     def num_samples(self) -> int:  # torch's attribute
@@ -396,7 +403,8 @@ class KaitianBatchSampler(torch.utils.data.BatchSampler):
         return self.sampler.epoch_batches()
 
     def __len__(self) -> int:
-        return self.sampler.num_steps if self.sampler.local_batch_size > 0 else 0  # benched: none
+        split, full, rest = self.sampler._pass_layout()
+        return full + (1 if rest else 0) if split[self.sampler.rank] > 0 else 0  # benched: none
 
 
 def kaitian_sampler_of(loader) -> Optional[DistributedSampler]:

@@ -146,6 +146,25 @@ def test_split_change_at_next_epoch_and_listeners():
     assert seen == [([10, 10], [15, 5])]
 
 
+def test_the_length_after_set_epoch_counts_the_split_its_pass_starts_with():
+    """A split decided in ``set_epoch`` (the re-balancer's epoch-start round: a rank benched or called
+    back) takes effect at the epoch's first draw. ``len()`` asked in between - a loop that reads
+    ``len(loader)`` before iterating, to end its last accumulation window - counts the pass that
+    follows: a rank called back yielded batches where its length said 0 (its last window never
+    stepped, its collectives apart from the others'), a benched one none where it said 5."""
+    samplers = _ranks(100, 10, [1.0, 1.0])
+    for split, epoch in (([20, 0], 1), ([10, 10], 2)):
+        _epoch(samplers, epoch - 1)  # the pass before, drawn to its end
+        for s in samplers:
+            s.enable_benching()
+            s.set_split(split)
+            s.set_epoch(epoch)
+        lengths = [(len(s), len(s.batch_sampler())) for s in samplers]
+        batches = [list(s.batch_sampler()) for s in samplers]
+        assert lengths == [(sum(map(len, b)), len(b)) for b in batches], (split, lengths)
+        assert [len(b) for b in batches] == [5 if n else 0 for n in split]
+
+
 def test_a_raised_minimum_also_lifts_a_split_change_that_waits():
     samplers = _ranks(100, 10, [1.0, 1.0])
     for s in samplers:
