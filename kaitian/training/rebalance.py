@@ -29,7 +29,6 @@ group's store first, and the spare posts its receive only then.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import pickle
@@ -729,13 +728,13 @@ class Rebalancer:
         message = torch.tensor([self.sampler.epoch, *new, *(c.fixed_s for c in self._known),
                                 *(c.per_sample_s for c in self._known), *within, self._exchange_s],
                                dtype=torch.float64)
-        benched = [r for r in spares if new[r] == 0]
-        if benched:
-            self._send([message, *self._after_step_state()], benched)
+        self._send([message], spares)
         called_back = [r for r in spares if new[r] > 0]
         if called_back:
-            self._send([message], called_back)
             self._send_state(called_back)
+        benched = [r for r in spares if new[r] == 0]
+        if benched:
+            self._send_state(benched, after_step=True)
 
     def _follow_as_spare(self) -> None:
         """A benched rank at an epoch start: the first training rank's word on the new split."""
@@ -760,7 +759,7 @@ class Rebalancer:
         me = dist.get_rank(self.world_group)
         self._owed = _trainers(new)[0]  # this epoch's end comes from the first trainer (called back: now, below)
         if new[me] == 0:
-            self._take_after_step_state(source)
+            self._receive_state(source, after_step=True)
         else:
             if self._published:  # trained again, it is measured: its probe's cost is withdrawn
                 _te.default_store().set(_cost_key(me), _NO_COST)
@@ -770,35 +769,6 @@ class Rebalancer:
             self._skip = self.warmup_steps
         self.history.append(RebalanceDecision(step=self._step, epoch=epoch, per_sample_s=[], old=old, new=new,
                                               applied=new != old))
-
-    def _after_step_state(self) -> List[torch.Tensor]:
-        """What a loop changes after the optimizer step that ends an epoch, which the spares' copy taken
-        in that step lacks: the optimizer's hyperparameters (an LR schedule's step) and the ``state=``
-        objects (a GradScaler's update). Small: a size, then its bytes, for the epoch start's word."""
-        buffer = io.BytesIO()
-        torch.save({"hyper": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-                    "state": [obj.state_dict() for obj in self.state]}, buffer)
-        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        return [torch.tensor([data.numel()], dtype=torch.int64), data]
-
-    def _take_after_step_state(self, source: int) -> None:
-        """A spare staying benched completes its copy of the epoch's end (see :meth:`_after_step_state`)."""
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, source, group=self.world_group)
-        if not 0 < size.item() <= _MAX_SKELETON:
-            raise TrainingError(f"re-balancer: rank {source} sent {size.item()} bytes of state after the epoch's "
-                                "last step to a benched rank")
-        data = torch.empty(size.item(), dtype=torch.uint8)
-        dist.recv(data, source, group=self.world_group)
-        after = torch.load(io.BytesIO(data.numpy().tobytes()), map_location=self._device, weights_only=False)
-        if len(after["hyper"]) != len(self.optimizer.param_groups) or len(after["state"]) != len(self.state):
-            raise TrainingError(f"re-balancer: rank {source} sent a benched rank the state of {len(after['hyper'])} "
-                                f"parameter groups and {len(after['state'])} state= objects for its "
-                                f"{len(self.optimizer.param_groups)} and {len(self.state)}")
-        for group, hyper in zip(self.optimizer.param_groups, after["hyper"]):
-            group.update(hyper)
-        for obj, state in zip(self.state, after["state"]):
-            obj.load_state_dict(state)
 
     def _serve_as_spare(self, epoch: int) -> None:
         """The sampler benched this rank at its draw of a step. A loader that draws ahead (workers, a
@@ -836,15 +806,15 @@ class Rebalancer:
             store.add(_message_key(r), 1)
         return works
 
-    def _packed(self, tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, list]:
+    def _packed(self, tensors: List[torch.Tensor], reuse: bool = True) -> Tuple[torch.Tensor, list]:
         """``tensors``' bytes, one after the other (:func:`_layout`), in one buffer on this rank's
         device: one message however many tensors a model and its optimizer hold. The last snapshot's
-        buffer is reused when it has arrived and has their layout (a copy into memory in use: no
-        allocation, no page faults, on the step that ends the epoch). Returns it and their specs."""
+        buffer is reused (``reuse``) when it has arrived and has their layout (a copy into memory in
+        use: no allocation, no page faults, on the step that ends the epoch). Returns it and their specs."""
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
         offsets, total = _layout(specs)
         flat = None
-        if self._snapshot is not None:
+        if reuse and self._snapshot is not None:
             last, last_specs, works = self._snapshot
             if last_specs == specs and all(w.is_completed() for w in works):
                 flat = last
@@ -935,27 +905,28 @@ class Rebalancer:
                 values[2 * r], values[2 * r + 1] = cost.fixed_s, cost.per_sample_s
         return values
 
-    def _send_state(self, spares: List[int]) -> None:
+    def _send_state(self, spares: List[int], after_step: bool = False) -> None:
         """The first training rank (the callers check) sends the model, the optimizer's state and
         ``state`` to ``spares``, without waiting for them: a copy goes out while it trains on.
+        ``after_step``: only what a loop changes after the optimizer step that ends an epoch, which
+        the copy taken in that step lacks - the optimizer's hyperparameters (an LR schedule's step)
+        and ``state`` (a GradScaler's update, an EMA model's) - at the next epoch start.
 
         Three tensors, whatever the model: a header (the sizes of the next two, the job's steps), the
         states' structure pickled with its tensors' shapes and dtypes, and every tensor's bytes packed
         in one buffer (a benched rank on a slow device spends its time receiving, not unpickling).
         """
-        model = self._model_ref()
         leaves: List[torch.Tensor] = []
-        blob = pickle.dumps(_skeleton([obj.state_dict() for obj in [self.optimizer, *self.state]], leaves))
-        tensors = [*model.module.parameters(), *model.module.buffers(), *leaves]
+        blob = pickle.dumps(_skeleton([obj.state_dict() for obj in self._travelling(after_step)], leaves))
         with torch.no_grad():  # a snapshot: the next steps change the originals
-            flat, specs = self._packed(tensors)
+            flat, specs = self._packed([*self._model_tensors(after_step), *leaves], reuse=not after_step)
         header = torch.tensor([len(blob), flat.numel(), self._job_steps], dtype=torch.int64)
         works = self._send([header, torch.frombuffer(bytearray(blob), dtype=torch.uint8), flat], spares)
-        self._snapshot = (flat, specs, works)
+        if not after_step:
+            self._snapshot = (flat, specs, works)
 
-    def _receive_state(self, source: int) -> None:
+    def _receive_state(self, source: int, after_step: bool = False) -> None:
         """A benched rank takes the state the first training rank sends (see :meth:`_send_state`)."""
-        model = self._model_ref()
         group = self.world_group
         header = torch.empty(3, dtype=torch.int64)
         self._await_message(source)
@@ -968,7 +939,7 @@ class Rebalancer:
         dist.recv(data, source, group=group)
         skeleton = pickle.loads(data.numpy().tobytes())
         leaves = [torch.empty(shape, dtype=dtype) for shape, dtype in _leaf_specs(skeleton)]
-        targets = [*model.module.parameters(), *model.module.buffers(), *leaves]
+        targets = [*self._model_tensors(after_step), *leaves]
         specs = [(tuple(t.shape), t.dtype) for t in targets]
         offsets, expected = _layout(specs)
         if total != expected:
@@ -979,9 +950,23 @@ class Rebalancer:
         with torch.no_grad():
             if targets:
                 torch._foreach_copy_([t.data for t in targets], _views(flat, specs, offsets))
-        for obj, state in zip([self.optimizer, *self.state], _filled(skeleton, iter(leaves))):
+        objects = self._travelling(after_step)
+        states = _filled(skeleton, iter(leaves))
+        if len(states) != len(objects):
+            raise TrainingError(f"re-balancer: rank {source} sent a benched rank the state of {len(states)} objects "
+                                f"for its {len(objects)} (the optimizer and state=)")
+        for obj, state in zip(objects, states):
             obj.load_state_dict(state)
         self._job_steps = steps
+
+    def _travelling(self, after_step: bool) -> list:
+        """The objects whose ``state_dict`` a copy for the spares holds (see :meth:`_send_state`)."""
+        return [_Hyperparameters(self.optimizer) if after_step else self.optimizer, *self.state]
+
+    def _model_tensors(self, after_step: bool) -> List[torch.Tensor]:
+        """The model's parameters and buffers, in a whole copy for the spares."""
+        model = self._model_ref()
+        return [] if after_step else [*model.module.parameters(), *model.module.buffers()]
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -1023,6 +1008,24 @@ def scheduler_left_out(optimizer: torch.optim.Optimizer, objects: Sequence[Any])
     the others, and not that scheduler's, would step with another learning rate."""
     return hasattr(optimizer.step, "_wrapped_by_lr_sched") and not any(
         getattr(obj, "optimizer", None) is optimizer for obj in objects)
+
+
+class _Hyperparameters:
+    """An optimizer's hyperparameters, its param_groups less their params (what an LR schedule
+    steps), as an object with a state_dict."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> List[Dict[str, Any]]:
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def load_state_dict(self, groups: List[Dict[str, Any]]) -> None:
+        if len(groups) != len(self.optimizer.param_groups):
+            raise TrainingError(f"re-balancer: a benched rank received the hyperparameters of {len(groups)} "
+                                f"parameter groups for its optimizer's {len(self.optimizer.param_groups)}")
+        for group, hyper in zip(self.optimizer.param_groups, groups):
+            group.update(hyper)
 
 
 def _trainers(split: Sequence[int]) -> List[int]:

@@ -18,9 +18,10 @@ from support.ranks import Layout, cleanup, run_ranks, tail
 from support.replay import global_batches
 
 
-def _replay(trained_by_rank, epochs, samples=200, skipped=()):
+def _replay(trained_by_rank, epochs, samples=200, skipped=(), ema_sums=None):
     """One process on the union of each (epoch, step)'s batches: the same model, optimizer, schedule
-    (``skipped``: the steps, counted over the run, without an optimizer step)."""
+    (``skipped``: the steps, counted over the run, without an optimizer step; ``ema_sums``: a list
+    that gets the sum of an EMA of the weights, as bench_spare --ema keeps, before each step)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 8, generator=g, dtype=torch.float64)
     y = torch.randn(samples, 1, generator=g, dtype=torch.float64)
@@ -28,11 +29,15 @@ def _replay(trained_by_rank, epochs, samples=200, skipped=()):
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+    ema = torch.optim.swa_utils.AveragedModel(net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     for step, batch in enumerate(global_batches(trained_by_rank, epochs, samples)):
+        if ema_sums is not None:
+            ema_sums.append(sum(p.detach().sum().item() for p in ema.module.parameters()))
         opt.zero_grad()
         F.mse_loss(net(x[batch]), y[batch]).backward()
         if step not in skipped:
             opt.step()
+            ema.update_parameters(net)
         schedule.step()
     return [p.detach().reshape(-1).tolist() for p in net.parameters()], opt.param_groups[0]["lr"]
 
@@ -67,16 +72,23 @@ def _against_the_script(history, turn=2, batch=32):
 @pytest.mark.parametrize("devices", [("cpu", "cpu"), ("mlu", "cpu")], ids=["cpu+cpu", "fake-mlu+cpu"])
 def test_a_rank_that_does_not_pay_is_benched_called_back_and_every_rank_stays_exact(devices):
     """On a fake MLU rank 0's state goes to the CPU spare from the device, and comes back to the
-    device when rank 0 is benched in turn (the fake accelerator punishes a missing stream wait)."""
+    device when rank 0 is benched in turn (the fake accelerator punishes a missing stream wait).
+    An EMA of the weights, updated after each optimizer step, is in ``state=``: every rank's, the
+    spare's included, is one process's at every epoch start (the copy of the epoch's end left the
+    optimizer step before the last update; the epoch start's word brings it)."""
     if "mlu" in devices:
         pytest.importorskip("kaitian.testing._fake_accelerator", reason="the fake accelerator needs torch 2.13+")
     for attempt in (1, 2, 3):  # the scripted costs are CPU time (--busy), so they stretch with load as the rest
-        r0, r1, log0 = _run_bench_spare(Layout("1+1", devices=devices), "--busy")
+        r0, r1, log0 = _run_bench_spare(Layout("1+1", devices=devices), "--busy", "--ema")
         assert [r0["device"], r1["device"]] == list(devices)
-        weights, lr = _replay([r0["trained"], r1["trained"]], epochs=7)
+        ema_sums = []
+        weights, lr = _replay([r0["trained"], r1["trained"]], epochs=7, ema_sums=ema_sums)
         for r in (r0, r1):  # the spare's copy too: it received the state at each epoch's end
             assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
             assert abs(r["lr"] - lr) < 1e-15
+            for epoch, ema_sum in r["ema_sums"]:
+                steps_before = len({(e, s) for q in (r0, r1) for e, s, _ in q["trained"] if e < epoch})
+                assert abs(ema_sum - ema_sums[steps_before]) < 1e-9, (r["rank"], epoch, ema_sum, ema_sums)
         # The premise: the ranks measure as scripted. With every core of a CI machine busy, the fake MLU's
         # first steps once measured 400 ms, and rank 1 (then a 50 ms sleep a step) alone once 356 ms: the
         # re-balancer rightly followed, and such a run shows nothing about benching and calling back, so it

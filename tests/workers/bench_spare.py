@@ -101,6 +101,8 @@ def main():
     p.add_argument("--sum-in-group", action="store_true", help="a collective in balancer.group after each step")
     p.add_argument("--skip-from", type=int, default=None, help="epoch 0's steps from this one skip the optimizer "
                    "step (as an AMP GradScaler does on an overflow); the schedule still steps")
+    p.add_argument("--ema", action="store_true", help="an EMA of the weights updated after each optimizer step, "
+                   "in state=; its sum at each epoch start is reported")
     p.add_argument("--schedule-not-in-state", action="store_true", help="the LR schedule is not handed to the "
                    "spares (state=[]): a rank called back would train with another learning rate")
     args, _ = p.parse_known_args()
@@ -124,17 +126,20 @@ def main():
     model = kaitian.DistributedDataParallel(net, broadcast_buffers=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
-    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=[] if args.schedule_not_in_state else [schedule],
-                                  every=args.every,
+    ema = torch.optim.swa_utils.AveragedModel(net, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    state = ([] if args.schedule_not_in_state else [schedule]) + ([ema] if args.ema else [])
+    balancer = kaitian.Rebalancer(sampler, model, optimizer=opt, state=state, every=args.every,
                                   probe_every_s=args.probe_every)
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
-    trained, shares, sums = [], [], []
+    trained, shares, sums, ema_sums = [], [], [], []
     for epoch in range(args.epochs):
         if args.stop_at is not None and balancer.steps >= args.stop_at:
             break
         if epoch == args.speedup:
             delay.seconds = 0.0
         sampler.set_epoch(epoch)
+        if args.ema:
+            ema_sums.append([epoch, sum(p.detach().double().sum().item() for p in ema.module.parameters())])
         for step, (xb, yb, index) in enumerate(drawing_ahead(loader, args.ahead)):
             if step == 0:
                 shares.append([epoch, sampler.split])
@@ -150,6 +155,8 @@ def main():
             F.mse_loss(out, yb.to(device)).backward()
             if args.skip_from is None or epoch > 0 or step < args.skip_from:
                 opt.step()
+                if args.ema:
+                    ema.update_parameters(net)
             schedule.step()
             trained.append([epoch, step, index.tolist()])
             if args.sum_in_group:
@@ -162,7 +169,7 @@ def main():
         balancer.finish()
     with open(os.environ["KT_OUT"], "w") as f:
         json.dump({
-            "rank": rank, "trained": trained, "shares": shares, "sums": sums, "steps": balancer.steps, "lr": opt.param_groups[0]["lr"],
+            "rank": rank, "trained": trained, "shares": shares, "sums": sums, "ema_sums": ema_sums, "steps": balancer.steps, "lr": opt.param_groups[0]["lr"],
             "device": device.type,
             "weights": [p.detach().cpu().reshape(-1).tolist() for p in net.parameters()],
             "history": [[d.step, d.epoch, d.old, d.new, [round(a, 4) for a in d.fixed_s],
