@@ -174,8 +174,8 @@ def test_a_spare_called_back_trains_on_with_the_live_schedule(tmp_path, fails, g
     epoch 0's end left the optimizer step before the schedule's step, which the trainers' word at
     epoch 1's start brings. A trainer lost after epoch 0's last optimizer step, before that word:
     the spare, as far as the trainers, takes a surviving trainer's live state; every trainer lost
-    within epoch 1: the spare goes on from its copy of epoch 0's end, complete. Either way, not a schedule step behind (the ranks'
-    weights silently apart, or off one process's)."""
+    within epoch 1: the spare goes on from its copy of epoch 0's end, complete. Either way, not a
+    schedule step behind (the ranks' weights silently apart, or off one process's)."""
     run = run_elastic(
         tmp_path,
         ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],

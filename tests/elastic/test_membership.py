@@ -66,10 +66,10 @@ def test_a_benched_rank_called_back_by_a_joiner_is_no_failure_and_takes_the_stat
 
 
 def test_a_benched_rank_as_far_as_the_trainers_still_takes_their_live_state():
-    """A trainer is lost at an epoch's start: the benched rank took that epoch's end (as many steps
-    as the trainers), but its copy left the optimizer step before the schedule's step after it; it
-    takes the live state of a training rank even when it comes first, and its own copy only when
-    no trainer is left."""
+    """A trainer is lost between an epoch's last step and the next epoch start's word: the benched
+    rank took that epoch's end (as many steps as the trainers), but its copy left the optimizer step
+    before the schedule's step after it; it takes the live state of a training rank even when it
+    comes first, and its own copy only when no trainer is left."""
     announced = {"n/0/0": _a("n/0/0", 10, share=0.0, group="cpu1"), "n/1/0": _a("n/1/0", 10, share=0.5)}
     decision = decide(1, ["n/0/0", "n/1/0", "n/2/0"], announced, gone={"n/2/0"}, joiners=[], global_batch=48,
                       min_batch=1)

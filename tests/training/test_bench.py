@@ -161,7 +161,8 @@ def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_t
                                  "--ahead", str(ahead), "--sum-in-group", *skipping)
     steps_of_1 = {(epoch, step) for epoch, step, _ in r1["trained"]}  # the premise: benched within epoch 0
     assert (0, 0) in steps_of_1 and (0, 20) not in steps_of_1 and all(e == 0 for e, _ in steps_of_1), r0["history"]
-    samples = {(rank, epoch, step): len(index) for rank, r in enumerate((r0, r1)) for epoch, step, index in r["trained"]}
+    samples = {(rank, epoch, step): len(index)
+               for rank, r in enumerate((r0, r1)) for epoch, step, index in r["trained"]}
     for rank, r in enumerate((r0, r1)):  # each step's sum over the group the rank was in: nobody paired wrongly
         for epoch, step, total, members in r["sums"]:
             assert total == sum(samples[(m, epoch, step)] for m in members), (rank, epoch, step, members)

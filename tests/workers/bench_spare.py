@@ -169,7 +169,8 @@ def main():
         balancer.finish()
     with open(os.environ["KT_OUT"], "w") as f:
         json.dump({
-            "rank": rank, "trained": trained, "shares": shares, "sums": sums, "ema_sums": ema_sums, "steps": balancer.steps, "lr": opt.param_groups[0]["lr"],
+            "rank": rank, "trained": trained, "shares": shares, "sums": sums, "ema_sums": ema_sums,
+            "steps": balancer.steps, "lr": opt.param_groups[0]["lr"],
             "device": device.type,
             "weights": [p.detach().cpu().reshape(-1).tolist() for p in net.parameters()],
             "history": [[d.step, d.epoch, d.old, d.new, [round(a, 4) for a in d.fixed_s],
