@@ -681,7 +681,6 @@ class Rebalancer:
             self._sync_due = False
             self._end_pass()
         if self._serve_after is not None and self._steps_trained >= self._serve_after:
-            self._serve_after = None
             self.serve_epoch()
 
     def _end_pass(self) -> None:
