@@ -13,7 +13,8 @@ The split in two parts keeps every rank's factor known at backward time:
   its output gradient is scaled by ``n_f / ref`` (``ref``: the previous
   step's mean per rank and micro-batch, the same on every rank);
 * at the synchronised backward the ranks exchange their counts (one small
-  all-reduce, started when backward starts, overlapping it) and the averaged
+  all-reduce, started when the first gradient bucket is ready, overlapping
+  the rest of backward) and the averaged
   gradient is multiplied by one global factor ``ref · W · M / N`` (``M``
   micro-batches, ``N`` samples over all ranks and micro-batches), usually
   exactly 1.
@@ -151,7 +152,8 @@ class _StepState:
     def __init__(self, history: int) -> None:
         self.samples = 0  # samples of forwards that received a gradient, this step
         self.micro = 0  # such forwards (micro-batches)
-        self.counts = None  # (work, tensor) of the count exchange
+        self.finishing = False  # a synchronised forward's outputs got their gradient: the finish is queued
+        self.counts = None  # (work, tensor) of the count exchange, once started
         self.table: Optional[list] = None  # every training rank's count row, once known
         self.totals: Optional[tuple] = None  # (global samples, correction), once read
         self.ref = 1.0  # common scale reference
@@ -167,6 +169,7 @@ class _StepState:
     def clear_counts(self) -> None:
         """Forgets the ended step's counts and their exchange."""
         self.samples, self.micro, self.counts, self.table, self.totals = 0, 0, None, None, None
+        self.finishing = False
 
 
 class DistributedDataParallel(_TorchDDP):
@@ -422,20 +425,23 @@ class DistributedDataParallel(_TorchDDP):
     # -- backward ----------------------------------------------------------------
 
     def _kt_on_backward(self, record: _Forward) -> None:
-        """The first gradient reached a forward's outputs: count it; at a sync step, exchange."""
+        """The first gradient reached a forward's outputs: count it; at a sync step, queue the step's finish.
+
+        Several forwards may feed one backward (two views of a batch, a GAN's critic on real and fake
+        samples): each counts as a micro-batch of the step, so the step's gradient is the sum of their
+        global means when they are the same size on each rank."""
         st = self._kt_state
+        if st.counts is not None and st.error is None:  # the exchange left without this forward's samples
+            st.error = TrainingError(
+                "kaitian.DistributedDataParallel: a forward's outputs got their gradient after the first "
+                "gradient bucket was ready, so its samples missed the step's count exchange (forwards that "
+                "each use part of the model, summed into one loss); run them as one forward"
+            )
         st.samples += record.samples
         st.micro += 1
-        if not record.sync:
+        if not record.sync or st.finishing:
             return
-        if self._kt_solo:  # no peer to compare its step with, nor a round to vote for
-            st.table = [[st.samples, st.micro]]
-        else:
-            tag = self._kt_check.next_tag(self._kt_sampler)
-            vote = self._kt_vote() if self._kt_vote is not None and self.training_group.rank() == 0 else 0
-            row = [st.samples, st.micro, *tag, int(bool(vote))]
-            # int64: exact on every vendor (CNCL would round float64 to float32)
-            st.counts = gather_per_rank(row, self.training_group, self.device, dtype=torch.int64, async_op=True)
+        st.finishing = True
         st.totals = None
         ddp_ref = weakref.ref(self)
 
@@ -449,6 +455,18 @@ class DistributedDataParallel(_TorchDDP):
         else:  # queued before DDP's finaliser: this one queues the finish to run after it
             queue_autograd_callback(lambda: queue_autograd_callback(finish))
 
+    def _kt_exchange_counts(self) -> tuple:
+        """Starts the step's count exchange once (the first gradient bucket is ready: every forward
+        whose outputs feed it has been counted); ``(work, tensor)``."""
+        st = self._kt_state
+        if st.counts is None:
+            tag = self._kt_check.next_tag(self._kt_sampler)
+            vote = self._kt_vote() if self._kt_vote is not None and self.training_group.rank() == 0 else 0
+            row = [st.samples, st.micro, *tag, int(bool(vote))]
+            # int64: exact on every vendor (CNCL would round float64 to float32)
+            st.counts = gather_per_rank(row, self.training_group, self.device, dtype=torch.int64, async_op=True)
+        return st.counts
+
     def _kt_totals(self, arrived: bool = False) -> tuple:
         """(global samples, correction factor) of this step, identical on every rank.
 
@@ -458,8 +476,10 @@ class DistributedDataParallel(_TorchDDP):
         """
         st = self._kt_state
         if st.totals is None:
-            if st.table is None:
-                work, tensor = st.counts
+            if st.table is None and self._kt_solo:  # no peer to compare its step with, nor a round to vote for
+                st.table = [[st.samples, st.micro]]
+            elif st.table is None:
+                work, tensor = self._kt_exchange_counts()
                 if work is not None and not arrived:
                     work.wait()
                 st.table = rows(tensor)
@@ -541,6 +561,12 @@ def _on_output_grad(ddp_ref: "weakref.ref", record: _Forward, grad: torch.Tensor
 def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as real types
     """Comm hook: the mean across ranks (torch's or the user's), then the global correction."""
     ddp = ddp_ref()
+    if not ddp._kt_state.finishing:
+        raise TrainingError(
+            "kaitian.DistributedDataParallel: backward did not pass through the model's outputs "
+            "(the loss must be computed from what forward returned)"
+        )
+    work, _ = ddp._kt_exchange_counts()  # at the first bucket, ahead of its reduction
     group = ddp.training_group
     if ddp._kt_user_hook is None:
         buffer = bucket.buffer()
@@ -555,12 +581,6 @@ def _weighted_hook(ddp_ref, bucket):  # no annotations: torch checks them as rea
         reduced = user_hook(user_state, bucket)
     if bucket.is_last():
         ddp._kt_clock.mark("compute_end")
-    if ddp._kt_state.counts is None:
-        raise TrainingError(
-            "kaitian.DistributedDataParallel: backward did not pass through the model's outputs "
-            "(the loss must be computed from what forward returned)"
-        )
-    work, _ = ddp._kt_state.counts
 
     # Chained on the reduction's own future, so the returned one carries its
     # devices and DDP's wait orders its streams after ours (collect_all would

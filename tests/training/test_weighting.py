@@ -12,7 +12,7 @@ import pytest
 from support import worker
 from support.ranks import Layout, cleanup, run_ranks, tail
 
-CASES = ["unequal", "coupled", "eval_forward", "no_sync", "builtin_hook", "python_hook", "tokens", "join"]
+CASES = ["unequal", "coupled", "eval_forward", "no_sync", "builtin_hook", "python_hook", "tokens", "join", "two_views"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_a_world_of_one_skips_the_exchange_and_stays_exact(tmp_path):
     """One rank: kaitian's DDP leaves torch's reducer out (nothing to exchange) unless a hook must
     run, and its gradients stay the window's mean (micro-batches of different sizes, token counts,
     a forward with no backward)."""
-    cases = ["unequal", "no_sync", "tokens", "eval_forward", "builtin_hook"]
+    cases = ["unequal", "no_sync", "tokens", "eval_forward", "builtin_hook", "two_views"]
     run = run_ranks(Layout("1"), [worker("weighting_cases"), "--cases", ",".join(cases)], timeout=120)
     try:
         assert run.returncodes == [0] and not run.timed_out, tail(run.logs[0])
@@ -82,7 +82,7 @@ def test_join(results):
         assert rank[("join", "torch")]["worst"] < 1e-9
 
 
-def test_ranks_at_different_steps_and_a_wrong_loader_are_named_and_batchnorm_gets_two():
+def test_ranks_at_different_steps_a_wrong_loader_and_a_late_forward_are_named_and_batchnorm_gets_two():
     run = run_ranks(Layout("1+1"), [worker("weighting_cases"), "--cases", "hardening"], timeout=120)
     try:
         assert run.returncodes == [0, 0] and not run.timed_out, tail(run.logs[0]) + tail(run.logs[1])
@@ -103,5 +103,7 @@ def test_ranks_at_different_steps_and_a_wrong_loader_are_named_and_batchnorm_get
                     "rank 0's DataLoader has taken 8 samples, not whole steps of 14 (kaitian's split [14, 2]): "
                     "a DataLoader's batch_size must be its rank's share"), r[f"loader {mode}"]
                 assert "batch_sampler=sampler.batch_sampler()" in r[f"loader {mode}"]
+            assert r["late forward"].startswith("kaitian.DistributedDataParallel: a forward's outputs got their "
+                                                "gradient after the first gradient bucket was ready"), r
     finally:
         cleanup(run)

@@ -35,6 +35,7 @@ SIZES = {
     "python_hook": [[[7], [3]], [[2], [8]]],
     "tokens": [[[7], [3]], [[2], [8]], [[6], [4]]],
     "join": [[[7], [3]], [[2], [8]], [[6], []]],  # rank 1 runs out of data in step 3
+    "two_views": [[[7], [3]], [[2], [8]], [[6], [4]]],  # two forwards, one backward (siamese, a GAN's critic)
 }
 
 
@@ -76,6 +77,8 @@ def loss_of(case, model, x, y, mask):
         per_token = F.cross_entropy(out.reshape(-1, 3), y.reshape(-1), reduction="none")
         m = mask.reshape(-1)
         return (per_token * m).sum() / m.sum(), int(m.sum())
+    if case == "two_views":  # the batch and a second view of it through the same model before the backward
+        return F.cross_entropy(out, y) + F.cross_entropy(model(x.flip(1)), y), len(y)
     return F.cross_entropy(out, y), len(y)
 
 
@@ -176,6 +179,19 @@ class _null:
         return False
 
 
+class TwoHeads(torch.nn.Module):
+    """A trunk and two heads, one per forward: each forward trains part of the model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.trunk = torch.nn.Linear(5, 4).double()
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 1).double() for _ in range(2)])
+
+    def forward(self, x, head):
+        return self.heads[head](torch.tanh(self.trunk(x)))
+
+
 def hardening(rank, world):
     """Ranks at different steps are named, a DataLoader batch_size that is not the rank's share is
     refused at the first step, and BatchNorm raises the sampler's minimum batch: through the sampler
@@ -225,6 +241,16 @@ def hardening(rank, world):
         except TrainingError as exc:
             result[f"loader {mode}"] = str(exc)
         model = batch_norm_model()
+    # one head per forward, summed into one loss, one bucket per parameter: the first bucket is ready
+    # before the other forward's outputs got their gradient, so the count exchange missed its samples
+    heads = kaitian.DistributedDataParallel(TwoHeads(), bucket_cap_mb=1e-6)
+    result["late forward"] = "not caught"
+    try:
+        for _ in range(3):  # DDP orders its buckets by the gradients' arrival after the first step
+            x = torch.randn(4 + rank, 5, dtype=torch.float64)
+            (heads(x, 0).pow(2).mean() + heads(x, 1).pow(2).mean()).backward()
+    except TrainingError as exc:
+        result["late forward"] = str(exc)
     return result
 
 
