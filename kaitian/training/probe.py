@@ -55,9 +55,11 @@ def probe_seconds(module: torch.nn.Module, inputs: Tuple[Any, dict], device: tor
 
 
 def _on(device: torch.device, value: Any) -> Any:
-    """``value`` with every tensor in it (tuples, lists, dicts) on ``device``."""
+    """``value`` with every tensor in it (tuples, lists, dicts) on ``device``, cut from the graph that made
+    it (another model's output, a GAN's generated batch: that graph is freed), still asking for its gradient
+    if it did."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return value.detach().to(device).requires_grad_(value.requires_grad)
     if isinstance(value, (tuple, list)):
         moved = [_on(device, v) for v in value]
         return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)  # a namedtuple too

@@ -42,6 +42,17 @@ def test_without_gradients_before_there_are_none_after_and_eval_mode_stays():
     assert all(p.grad is None for p in net.parameters()) and not net.training
 
 
+def test_inputs_made_by_another_model_whose_graph_is_freed_are_probed_as_inputs():
+    """A GAN's critic last trained on the generator's output: the probe's backward stops at its inputs
+    (that graph was freed by the step's backward) and leaves the generator's gradients alone."""
+    net, generator = _net(), torch.nn.Linear(4, 8)
+    fake = generator(torch.randn(32, 4))
+    net(fake).sum().backward()  # frees the generator's graph, as the training step did
+    generator_grads = [p.grad.clone() for p in generator.parameters()]
+    assert probe_seconds(net, ((fake,), {}), torch.device("cpu")) > 0
+    assert all(torch.equal(p.grad, g) for p, g in zip(generator.parameters(), generator_grads))
+
+
 def test_an_output_with_nothing_to_differentiate_is_no_probe():
     net = _net()
     for p in net.parameters():
