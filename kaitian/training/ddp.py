@@ -40,7 +40,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from kaitian.training.listeners import Listeners
 from kaitian.training.sampler import DistributedSampler
 from kaitian.training.weighting import StepCheck, check_steps
 
-__all__ = ["DistributedDataParallel", "StepTiming", "has_batch_norm"]
+__all__ = ["DistributedDataParallel", "StepTiming", "has_batch_norm", "steps_beside"]
 
 _log = logging.getLogger(__name__)
 
@@ -130,6 +130,34 @@ def _grad_tensors(value: Any) -> List[torch.Tensor]:
             except TypeError:
                 pass
     return out
+
+
+_LIVE: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()  # this process's models
+
+
+def steps_beside(model: "DistributedDataParallel") -> Dict[int, int]:
+    """The synchronised steps so far of every other live kaitian DDP model in ``model``'s process group,
+    by ``id``: a second network trained beside it (a GAN's) shows as one whose steps grow."""
+    return {id(m): m._kt_state.step for m in list(_LIVE)
+            if m is not model and m.process_group is model.process_group}
+
+
+def _unscaled(value: Any, factor: float) -> Any:
+    """``value`` with each tensor in it that asks for a gradient behind a view whose gradient is multiplied
+    by ``factor`` on its way out (to a GAN's generator, an input's own gradient): this forward's share of
+    the weighting, applied to its outputs' gradient, stays inside the model."""
+    if isinstance(value, torch.Tensor):
+        if not value.requires_grad:
+            return value
+        view = value.view_as(value)
+        view.register_hook(lambda grad: grad * factor)
+        return view
+    if isinstance(value, (tuple, list)):
+        items = [_unscaled(v, factor) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
+    if isinstance(value, dict):
+        return {k: _unscaled(v, factor) for k, v in value.items()}
+    return value
 
 
 def has_batch_norm(module: torch.nn.Module) -> bool:
@@ -235,6 +263,7 @@ class DistributedDataParallel(_TorchDDP):
         if sampler is not None:
             self.use_sampler(sampler)
         self._kt_update_solo()
+        _LIVE.add(self)
 
     # -- public ------------------------------------------------------------------
 
@@ -414,6 +443,8 @@ class DistributedDataParallel(_TorchDDP):
         if self._kt_remember_inputs:
             self._kt_last_inputs = (inputs, kwargs)
         record = _Forward(self._kt_count_samples(inputs, kwargs), sync, st.ref)
+        if record.samples != record.ref:  # the weighting is this model's: what leaves by its inputs is unscaled
+            inputs, kwargs = _unscaled((inputs, kwargs), record.ref / record.samples)
         # One rank trains (a world of one, or the others benched): nothing to exchange, so torch's reducer
         # is left out (its gradient hooks stay idle) and the weighting is applied at the end.
         output = self.module(*inputs, **kwargs) if self._kt_solo else super().forward(*inputs, **kwargs)
