@@ -44,6 +44,7 @@ import torch.distributed as dist
 from kaitian import _torch as _te
 from kaitian.backend.stripes import kaitian_backend
 from kaitian.errors import SplitError, TrainingError
+from kaitian.training.ddp import steps_beside
 from kaitian.training.exchange import gather_per_rank
 from kaitian.training.probe import probe_seconds
 from kaitian.training.sampler import DistributedSampler
@@ -269,6 +270,7 @@ class Rebalancer:
         self._published = False  # this rank's cost key holds a probe's cost
         self._next_read = 0.0  # the first training rank reads the spares' published costs from then on
         model.use_sampler(self.sampler)
+        self._steps_beside = steps_beside(model)  # the other models' steps so far (a stale one never grows)
         if self.optimizer is not None and self.probe_every_s > 0:  # a benched rank probes on them
             model.remember_inputs()
         self._device = model.device
@@ -457,6 +459,7 @@ class Rebalancer:
         """
         if self.sampler.benching:
             self._check_schedulers_travel()
+            self._check_alone_in_its_group()
         self._last_round = time.monotonic()
         self._since_round = 0
         self._probe, self._next_probe = None, 0.0  # benched now, it probes afresh: its first probe is its cost now
@@ -473,7 +476,7 @@ class Rebalancer:
             self._keep_exchange(training, comm)
         # Benching: at an epoch start, or once an epoch between steps of whole batches (the
         # lead of the loaders that draw ahead is known); calling back only at an epoch start.
-        bench = self.sampler.benching and self._steps_done >= 2 and (
+        bench = self.sampler.benching and self.bench_blocker is None and self._steps_done >= 2 and (
             epoch_start or (after_draws == 0 and self._one_micro and 0 not in old))
         candidates = [r for r in range(self.world) if costs[r].known] if epoch_start else training
         new, applied, predicted = list(old), False, 0.0
@@ -706,6 +709,20 @@ class Rebalancer:
                 "kaitian.Rebalancer: the optimizer has an LR scheduler that state= does not hold; a benched rank "
                 "runs no step, so its schedule would stand still and, called back, it would train with another "
                 "learning rate: pass it, Rebalancer(..., optimizer=optimizer, state=[scheduler])")
+
+    def _check_alone_in_its_group(self) -> None:
+        """A benched rank leaves this model's exchange only: another kaitian DDP model that trains in its
+        process group (a GAN's second network) would wait for it at its next step. From the first round
+        that sees such a model take a step, no rank is benched (the same on every training rank: their
+        models step alike)."""
+        model = self._model_ref()
+        if self.bench_blocker is not None or model is None:
+            return
+        if any(steps > self._steps_beside.get(key, 0) for key, steps in steps_beside(model).items()):
+            self.bench_blocker = ("another kaitian.DistributedDataParallel model trains in its process group "
+                                  "(a GAN's second network?)")
+            _log.warning("re-balancer: %s, whose exchange a benched rank would leave: no rank is benched from "
+                         "now on, the samples still move", self.bench_blocker)
 
     def _source(self) -> int:
         """The rank that tells the benched ones: the first that trains."""

@@ -1,4 +1,4 @@
-"""A GAN's two networks in one job: exact (``workers/gan_train.py``).
+"""A GAN's two networks in one job: exact, re-balanced, and never benched (``workers/gan_train.py``).
 
 Two simulated vendor groups, backend kaitian, fp64: each rank ends with the critic and generator
 of one process trained on the same global batches (1e-9).
@@ -47,3 +47,16 @@ def test_a_gan_on_unequal_batches_trains_exactly():
     r0, r1, _ = _run("--capabilities", "3,1", "--no-balancer", "--slow1", "0")
     assert r0["splits"] == [[24, 8]] * 4
     _assert_exact(r0, r1)
+
+
+def test_a_gan_trains_exactly_with_its_samples_moved_and_no_rank_benched():
+    """The critic's step runs it twice before one backward (real and generated samples), the generator's
+    backward runs through both networks. Rank 1's critic is slow: the re-balancer moves samples off it, but
+    benches no rank (a benched rank would leave the critic's exchange only, and the generator's would wait
+    for it): it says so once, and both networks stay one process's."""
+    r0, r1, log0 = _run()
+    _assert_exact(r0, r1)
+    assert r0["history"] == r1["history"]
+    assert any(new[1] < new[0] for _, _, new in r0["history"]), r0["history"]  # samples moved off rank 1
+    assert all(min(new) > 0 for _, _, new in r0["history"]), r0["history"]
+    assert log0.count("another kaitian.DistributedDataParallel model trains in its process group") == 1, tail(log0)
