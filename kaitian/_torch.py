@@ -341,6 +341,14 @@ def abort_process_groups() -> None:
         distributed_c10d.destroy_process_group()
 
 
+def current_graph_task() -> int:
+    """The id of the backward pass running on this thread (-1 outside one): forwards whose outputs get
+    their gradient in the same pass are one batch's."""
+    import torch
+
+    return torch._C._current_graph_task_id()
+
+
 def queue_autograd_callback(callback) -> None:
     """Runs ``callback`` when the current backward pass finishes (as torch's DDP does)."""
     import torch

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from kaitian._torch import queue_autograd_callback
+from kaitian._torch import current_graph_task, queue_autograd_callback
 from kaitian.errors import TrainingError
 from kaitian.training.clock import StepClock
 from kaitian.training.exchange import gather_per_rank, rows
@@ -180,6 +180,8 @@ class _StepState:
     def __init__(self, history: int) -> None:
         self.samples = 0  # samples of forwards that received a gradient, this step
         self.micro = 0  # such forwards (micro-batches)
+        self.batches = 0  # the backward passes they got their gradient in (a batch each, its views one)
+        self.graph_task = -1  # ... the last of them
         self.finishing = False  # a synchronised forward's outputs got their gradient: the finish is queued
         self.counts = None  # (work, tensor) of the count exchange, once started
         self.table: Optional[list] = None  # every training rank's count row, once known
@@ -197,7 +199,7 @@ class _StepState:
     def clear_counts(self) -> None:
         """Forgets the ended step's counts and their exchange."""
         self.samples, self.micro, self.counts, self.table, self.totals = 0, 0, None, None, None
-        self.finishing = False
+        self.batches, self.graph_task, self.finishing = 0, -1, False
 
 
 class DistributedDataParallel(_TorchDDP):
@@ -352,7 +354,8 @@ class DistributedDataParallel(_TorchDDP):
         self._kt_vote = vote
 
     def add_step_end(self, callback: Callable[[int, int], None]) -> None:
-        """Calls ``callback(global_samples, micro_batches)`` as each synchronised step's backward ends (at once:
+        """Calls ``callback(global_samples, batches)`` as each synchronised step's backward ends (``batches``:
+        this rank's backward passes in the step, a batch each, forwards of one pass views of it; at once:
         :meth:`add_step_listener`'s timings may come a step later on a device)."""
         self._kt_step_ends.add(callback)
 
@@ -470,6 +473,9 @@ class DistributedDataParallel(_TorchDDP):
             )
         st.samples += record.samples
         st.micro += 1
+        task = current_graph_task()
+        if task != st.graph_task:
+            st.graph_task, st.batches = task, st.batches + 1
         if not record.sync or st.finishing:
             return
         st.finishing = True
@@ -560,13 +566,13 @@ class DistributedDataParallel(_TorchDDP):
         ended = self._kt_clock.finish((timing, st.wait_in_compute))
         st.last_end = now
         st.step += 1
-        micro = max(1, st.micro)
+        micro, batches = max(1, st.micro), max(1, st.batches)
         st.ref = total / (self.training_group.size() * micro)
         st.first_forward = None
         st.clear_counts()
         st.wait = st.wait_in_compute = 0.0
         self._kt_emit(ended)
-        self._kt_step_ends(int(round(total)), micro)
+        self._kt_step_ends(int(round(total)), batches)
 
     def _kt_emit(self, ended) -> None:
         """Completes the clock's ended steps with their times and hands them out."""

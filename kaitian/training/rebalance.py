@@ -252,10 +252,10 @@ class Rebalancer:
         # bench took fewer steps than the others, so no count of its own steps can time the rounds)
         self._since_round = 0
         self._epoch_steps = 0  # ... in this epoch's pass
-        self._one_micro = True  # every step so far was one batch (no accumulation)
+        self._one_micro = True  # every step so far was one batch (no accumulation; views of one batch count once)
         self._ddp_step = 0
         self._switch: Optional[Tuple[int, List[int]]] = None  # (step, ranks): the trainers' next group
-        self._epoch_samples = 0  # global samples trained in this epoch's pass
+        self._epoch_batches = 0  # batches this rank trained in this epoch's pass
         self._sync_due = False
         self._serve_after: Optional[int] = None  # a spare's last step handed out, drawn ahead of its training
         self._groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
@@ -362,19 +362,20 @@ class Rebalancer:
             self._busy[0] += timing.step_s - timing.wait_s
             self._busy[1] += 1
 
-    def _on_step_end(self, global_samples: int, micro_batches: int) -> None:
-        """Each synchronised step as it ends (timings may come a step later, on a device)."""
+    def _on_step_end(self, global_samples: int, batches: int) -> None:
+        """Each synchronised step as it ends (timings may come a step later, on a device); ``batches``: this
+        rank's backward passes in it (accumulated micro-batches; forwards of one pass are views of one batch)."""
         self._steps_done += 1
         self._job_steps += 1
         self._since_round += 1
         self._epoch_steps += 1
-        self._one_micro = self._one_micro and micro_batches == 1
-        self._epoch_samples += global_samples
+        self._one_micro = self._one_micro and batches == 1
+        self._epoch_batches += batches
         if self.sampler.num_replicas > self.sampler.split.count(0) > 0:  # the epoch's last step: spares wait
-            # Its size is taken now, under the split it was drawn with: the short last step's padding
-            # gives each training rank its minimum, so a bench within the epoch changes it.
-            left = self.sampler.total_size - self.sampler.first_step * self.sampler.global_batch_size
-            self._sync_due = self._epoch_samples >= left
+            # counted in batches: every rank trains one a sampler step, whatever the split (two views of a
+            # batch counted as samples ended the pass halfway, and the spares took a stale state)
+            full, rest = self.sampler.layout()
+            self._sync_due = self.sampler.first_step + self._epoch_batches >= full + (rest is not None)
 
     def _on_split_change(self, old, new) -> None:
         # Batches of the old size may still be in flight when a mid-epoch change
@@ -408,7 +409,7 @@ class Rebalancer:
 
     def _on_epoch(self, epoch: int) -> None:
         self._end_pass()  # a pass left within its epoch (a step limit per epoch) ends here
-        self._epoch_samples, self._epoch_steps, self._sync_due, self._serve_after = 0, 0, False, None
+        self._epoch_batches, self._epoch_steps, self._sync_due, self._serve_after = 0, 0, False, None
         if self.sampler.resuming:
             # a checkpoint's epoch goes on under the checkpoint's split, on every rank alike: the
             # trainers exchange among themselves from its first step, a benched rank waits for its end

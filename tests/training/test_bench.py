@@ -18,10 +18,11 @@ from support.ranks import Layout, cleanup, run_ranks, tail
 from support.replay import global_batches
 
 
-def _replay(trained_by_rank, epochs, samples=200, skipped=(), ema_sums=None):
+def _replay(trained_by_rank, epochs, samples=200, skipped=(), ema_sums=None, two_views=False):
     """One process on the union of each (epoch, step)'s batches: the same model, optimizer, schedule
     (``skipped``: the steps, counted over the run, without an optimizer step; ``ema_sums``: a list
-    that gets the sum of an EMA of the weights, as bench_spare --ema keeps, before each step)."""
+    that gets the sum of an EMA of the weights, as bench_spare --ema keeps, before each step;
+    ``two_views``: as bench_spare --two-views)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 8, generator=g, dtype=torch.float64)
     y = torch.randn(samples, 1, generator=g, dtype=torch.float64)
@@ -34,7 +35,10 @@ def _replay(trained_by_rank, epochs, samples=200, skipped=(), ema_sums=None):
         if ema_sums is not None:
             ema_sums.append(sum(p.detach().sum().item() for p in ema.module.parameters()))
         opt.zero_grad()
-        F.mse_loss(net(x[batch]), y[batch]).backward()
+        loss = F.mse_loss(net(x[batch]), y[batch])
+        if two_views:
+            loss = loss + F.mse_loss(net(x[batch].flip(1)), y[batch])
+        loss.backward()
         if step not in skipped:
             opt.step()
             ema.update_parameters(net)
@@ -143,8 +147,9 @@ def test_a_spare_whose_device_gets_faster_while_benched_is_called_back_by_its_pr
     assert "rank 1 benched: the step is predicted" in log0 and "rank 1 called back with" in log0, log0
 
 
-@pytest.mark.parametrize("ahead,skip_from", [(0, None), (2, None), (2, 3)], ids=["0", "2", "2-skipping-steps"])
-def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_the_state(ahead, skip_from):
+@pytest.mark.parametrize("ahead,skip_from,views", [(0, None, 1), (2, None, 1), (2, 3, 1), (2, None, 2)],
+                         ids=["0", "2", "2-skipping-steps", "2-two-views"])
+def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_the_state(ahead, skip_from, views):
     """Rank 1 (0.4 s a forward) is benched by a round within epoch 0 (21 steps, a round every 3).
     Before its wait for the epoch's end, it trains beside rank 0 every batch its loader drew: with
     ``ahead`` 2 it is benched at a draw two steps before the trainers leave it (it waited there,
@@ -154,8 +159,11 @@ def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_t
     (a logged loss): rank 1 waits for the state in its last optimizer step, so the trainers' collective
     of that step hung on it with a loader that draws ahead; from there it is out of the group. Epoch
     0's steps from ``skip_from`` on skip the optimizer step (an AMP GradScaler's overflow): rank 1 then
-    never left the group nor waited, and took the next epoch's word for the state."""
+    never left the group nor waited, and took the next epoch's word for the state. With two views of each
+    batch (two forwards, one backward) the trainer counted the epoch's samples twice, ended its pass halfway
+    and sent the spare a state that the rest of the epoch left behind."""
     skipping = [] if skip_from is None else ["--skip-from", str(skip_from)]
+    skipping += ["--two-views"] if views == 2 else []
     # 0.4 s: its fit, from batches of one size, puts the forward's fixed delay on each sample; at 0.2 s, epoch
     # 1's round on a loaded CI machine once called it back with 5 samples, against this test's premise
     r0, r1, _ = _run_bench_spare(Layout("1+1"), "--per-sample", "--slow0", "0.002", "--slow1", "0",
@@ -172,7 +180,8 @@ def test_a_rank_benched_within_an_epoch_trains_what_it_drew_and_then_waits_for_t
     last_group = [1] if skip_from is None else [0, 1]
     assert {tuple(m) for *_, m in r0["sums"]} == {(0, 1), (0,)} and r1["sums"][-1][3] == last_group, r1["sums"]
     skipped = range(skip_from, 21) if skip_from is not None else ()
-    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=641, skipped=skipped)
+    weights, lr = _replay([r0["trained"], r1["trained"]], epochs=2, samples=641, skipped=skipped,
+                          two_views=views == 2)
     for r in (r0, r1):
         assert max(abs(a - b) for p, q in zip(r["weights"], weights) for a, b in zip(p, q)) < 1e-9
 

@@ -15,7 +15,8 @@ beside rank 0 (their rounds must then stay in step, every ``--every`` steps). Wi
 benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mode (a model
 the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_buffers=False``,
 so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
-has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``;
+has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``; ``--two-views`` adds the loss of a second
+view of each batch (two forwards, one backward);
 ``--sum-in-group`` sums each step's batch sizes in ``balancer.group`` after the optimizer step (a logged
 loss, as the docs advise); ``--stop-at N``: the loops end once the job took N steps (``balancer.steps``,
 a max_steps loop); ``--steps-per-epoch K``: each pass is left after its K-th step; ``--no-finish``: no
@@ -101,6 +102,8 @@ def main():
     p.add_argument("--sum-in-group", action="store_true", help="a collective in balancer.group after each step")
     p.add_argument("--skip-from", type=int, default=None, help="epoch 0's steps from this one skip the optimizer "
                    "step (as an AMP GradScaler does on an overflow); the schedule still steps")
+    p.add_argument("--two-views", action="store_true", help="the loss adds the model's output on a second view of "
+                   "the batch (its features reversed): two forwards, one backward")
     p.add_argument("--ema", action="store_true", help="an EMA of the weights updated after each optimizer step, "
                    "in state=; its sum at each epoch start is reported")
     p.add_argument("--schedule-not-in-state", action="store_true", help="the LR schedule is not handed to the "
@@ -152,7 +155,10 @@ def main():
             opt.zero_grad()
             out = model(xb.to(device))
             spend(slow, args.busy)
-            F.mse_loss(out, yb.to(device)).backward()
+            loss = F.mse_loss(out, yb.to(device))
+            if args.two_views:
+                loss = loss + F.mse_loss(model(xb.flip(1).to(device)), yb.to(device))
+            loss.backward()
             if args.skip_from is None or epoch > 0 or step < args.skip_from:
                 opt.step()
                 if args.ema:
