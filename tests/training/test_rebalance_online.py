@@ -42,14 +42,15 @@ def test_split_follows_a_rank_that_slows_down_5x_mid_epoch():
     """Default settings (a round every 25 steps or 10 s): rank 1 becomes 5x slower at
     step 80 of a 240-step epoch; within 3 rounds (75 steps) most of the batch has moved.
     The ranks are of equal speed until then only if the machine lets them be: a run whose
-    rounds measured them apart runs once more, and two such runs fail."""
-    r0, r1 = _run("--steps", "240", "--slow-from", "80")
-    first = _unequal_before_the_slowdown(r0["history"])
-    if first:
+    rounds measured them apart runs again, and three such runs fail (CI's serial pass beside
+    the other lanes once measured rank 1 the faster in one run and rank 0 in the next)."""
+    unequal = []
+    for _ in range(3):
         r0, r1 = _run("--steps", "240", "--slow-from", "80")
-        again = _unequal_before_the_slowdown(r0["history"])
-        assert not again, (f"the machine made the equal ranks unequal in two runs (step, rank 0's balanced share): "
-                           f"{first}; {again}")
+        unequal.append(_unequal_before_the_slowdown(r0["history"]))
+        if not unequal[-1]:
+            break
+    assert not unequal[-1], f"the machine made the equal ranks unequal in every run (step, rank 0's share): {unequal}"
     assert (r0["every"], r0["seconds"]) == (25, 10.0)
     assert r0["history"] == r1["history"], "ranks disagree on the split"
     assert [a + b for a, b in zip(r0["sizes"], r1["sizes"])] == [128] * 240
