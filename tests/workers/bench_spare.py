@@ -15,8 +15,8 @@ beside rank 0 (their rounds must then stay in step, every ``--every`` steps). Wi
 benched) until epoch ``--speedup``; with ``--probe-fails1`` it raises in eval mode (a model
 the probe cannot run). The model holds a buffer DDP leaves alone (``broadcast_buffers=False``,
 so the spares' copies carry buffers too); ``--buffer1 N`` makes rank 1's N values where rank 0's
-has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``; ``--two-views`` adds the loss of a second
-view of each batch (two forwards, one backward);
+has 1 (a spare whose model differs); ``--schedule-not-in-state`` leaves the LR schedule out of ``state=``;
+``--two-views`` adds the loss of a second view of each batch (two forwards, one backward);
 ``--sum-in-group`` sums each step's batch sizes in ``balancer.group`` after the optimizer step (a logged
 loss, as the docs advise); ``--stop-at N``: the loops end once the job took N steps (``balancer.steps``,
 a max_steps loop); ``--steps-per-epoch K``: each pass is left after its K-th step; ``--no-finish``: no

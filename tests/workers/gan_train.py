@@ -77,14 +77,16 @@ def main():
     rank = dist.get_rank()
     x, z = data(args.samples)
     ds = TensorDataset(x, z, torch.arange(args.samples))
-    sampler = kaitian.DistributedSampler(ds, batch_size=16, capabilities=[float(c) for c in args.capabilities.split(",")])
+    capabilities = [float(c) for c in args.capabilities.split(",")]
+    sampler = kaitian.DistributedSampler(ds, batch_size=16, capabilities=capabilities)
     critic, generator = networks(args.slow1 if rank == 1 else 0.0)
     D = kaitian.DistributedDataParallel(critic)
     G = kaitian.DistributedDataParallel(generator, sampler=sampler)
     optD = torch.optim.SGD(D.parameters(), lr=0.05, momentum=0.9)
     optG = torch.optim.SGD(G.parameters(), lr=0.05, momentum=0.9)
-    balancer = None if args.no_balancer else kaitian.Rebalancer(sampler, D, every=args.every, optimizer=optD,
-                                                                state=[G, optG])
+    balancer = None
+    if not args.no_balancer:
+        balancer = kaitian.Rebalancer(sampler, D, every=args.every, optimizer=optD, state=[G, optG])
     loader = DataLoader(ds, batch_sampler=sampler.batch_sampler())
     trained, splits = [], []
     for epoch in range(args.epochs):
