@@ -70,7 +70,8 @@ class StepTiming:
 
     Attributes:
         step: index of the step (synchronised backward passes so far).
-        samples: this rank's samples in the step (all its micro-batches).
+        samples: this rank's samples in the step (all its micro-batches; the
+            views of a batch that one backward pass trains count once).
         global_samples: samples summed over all ranks.
         compute_s: forward + backward compute time (first forward until the
             last gradient bucket is ready; device time on accelerators).
@@ -181,6 +182,7 @@ class _StepState:
         self.samples = 0  # samples of forwards that received a gradient, this step
         self.micro = 0  # such forwards (micro-batches)
         self.batches = 0  # the backward passes they got their gradient in (a batch each, its views one)
+        self.batch_samples = 0  # ... each pass's first forward's samples: the batches' samples
         self.graph_task = -1  # ... the last of them
         self.finishing = False  # a synchronised forward's outputs got their gradient: the finish is queued
         self.counts = None  # (work, tensor) of the count exchange, once started
@@ -199,7 +201,7 @@ class _StepState:
     def clear_counts(self) -> None:
         """Forgets the ended step's counts and their exchange."""
         self.samples, self.micro, self.counts, self.table, self.totals = 0, 0, None, None, None
-        self.batches, self.graph_task, self.finishing = 0, -1, False
+        self.batches, self.batch_samples, self.graph_task, self.finishing = 0, 0, -1, False
 
 
 class DistributedDataParallel(_TorchDDP):
@@ -475,7 +477,7 @@ class DistributedDataParallel(_TorchDDP):
         st.micro += 1
         task = current_graph_task()
         if task != st.graph_task:
-            st.graph_task, st.batches = task, st.batches + 1
+            st.graph_task, st.batches, st.batch_samples = task, st.batches + 1, st.batch_samples + record.samples
         if not record.sync or st.finishing:
             return
         st.finishing = True
@@ -499,7 +501,7 @@ class DistributedDataParallel(_TorchDDP):
         if st.counts is None:
             tag = self._kt_check.next_tag(self._kt_sampler)
             vote = self._kt_vote() if self._kt_vote is not None and self.training_group.rank() == 0 else 0
-            row = [st.samples, st.micro, *tag, int(bool(vote))]
+            row = [st.samples, st.micro, *tag, int(bool(vote)), st.batch_samples]
             # int64: exact on every vendor (CNCL would round float64 to float32)
             st.counts = gather_per_rank(row, self.training_group, self.device, dtype=torch.int64, async_op=True)
         return st.counts
@@ -514,7 +516,7 @@ class DistributedDataParallel(_TorchDDP):
         st = self._kt_state
         if st.totals is None:
             if st.table is None and self._kt_solo:  # no peer to compare its step with, nor a round to vote for
-                st.table = [[st.samples, st.micro]]
+                st.table = [[st.samples, st.micro, 0, 0, 0, 0, st.batch_samples]]
             elif st.table is None:
                 work, tensor = self._kt_exchange_counts()
                 if work is not None and not arrived:
@@ -544,6 +546,7 @@ class DistributedDataParallel(_TorchDDP):
             st.clear_counts()
             raise error
         total, correction = self._kt_totals()
+        global_batch = int(sum(row[6] for row in st.table))  # the batches' samples, a batch's views once
         if (self._kt_builtin_hook is not None or self._kt_solo) and correction != 1.0:
             with torch.no_grad():
                 for p in self.module.parameters():
@@ -555,8 +558,8 @@ class DistributedDataParallel(_TorchDDP):
         # compute_s and comm_s come from the clock (a step later on a device)
         timing = StepTiming(
             step=st.step,
-            samples=st.samples,
-            global_samples=int(round(total)),
+            samples=st.batch_samples,
+            global_samples=global_batch,
             compute_s=0.0,
             comm_s=0.0,
             step_s=max(1e-9, now - (st.last_end if st.last_end is not None else start)),
@@ -572,7 +575,7 @@ class DistributedDataParallel(_TorchDDP):
         st.clear_counts()
         st.wait = st.wait_in_compute = 0.0
         self._kt_emit(ended)
-        self._kt_step_ends(int(round(total)), batches)
+        self._kt_step_ends(global_batch, batches)
 
     def _kt_emit(self, ended) -> None:
         """Completes the clock's ended steps with their times and hands them out."""

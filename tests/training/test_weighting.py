@@ -39,6 +39,17 @@ def test_exact_against_one_process(results, case, mode):
         assert r["steps"] >= 2
 
 
+@pytest.mark.parametrize("case", ["unequal", "no_sync", "two_views"])
+def test_step_timings_count_the_batches_samples(results, case):
+    """A step's timing counts the samples of the batches it trained: every micro-batch of a window, but the
+    two views of a batch once (the re-balancer fits its step cost to them, the monitor shows them)."""
+    from workers.weighting_cases import SIZES
+
+    for rank, r in enumerate(results):
+        timed = r[(case, "kaitian")]["timed"]
+        assert timed == [[sum(step[rank]), sum(map(sum, step))] for step in SIZES[case]], timed
+
+
 @pytest.mark.parametrize("case", ["unequal", "coupled", "no_sync"])
 def test_gradients_in_the_buckets_by_default_and_exact_either_way(results, case):
     """kaitian's DDP keeps gradients in the buckets unless told otherwise; both are exact."""

@@ -166,7 +166,8 @@ def run(case, mode, rank, world):
             worst = max(worst, (p.detach() - q.detach()).abs().max().item())
     if context is not None:
         context.__exit__(None, None, None)
-    return {"worst": worst, "steps": len(steps),
+    timed = [[t.samples, t.global_samples] for t in getattr(model, "step_timings", [])]
+    return {"worst": worst, "steps": len(steps), "timed": timed,
             "bucket_view": bool(getattr(model, "gradient_as_bucket_view", False)),
             "alone": bool(getattr(model, "_kt_solo", False))}
 
