@@ -143,22 +143,30 @@ def steps_beside(model: "DistributedDataParallel") -> Dict[int, int]:
             if m is not model and m.process_group is model.process_group}
 
 
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (tuples, namedtuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        items = [_map_tensors(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _map_tensors(fn, v) for k, v in value.items()}
+    return value
+
+
 def _unscaled(value: Any, factor: float) -> Any:
     """``value`` with each tensor in it that asks for a gradient behind a view whose gradient is multiplied
     by ``factor`` on its way out (to a GAN's generator, an input's own gradient): this forward's share of
     the weighting, applied to its outputs' gradient, stays inside the model."""
-    if isinstance(value, torch.Tensor):
-        if not value.requires_grad:
-            return value
-        view = value.view_as(value)
+    def unscale(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        view = tensor.view_as(tensor)
         view.register_hook(lambda grad: grad * factor)
         return view
-    if isinstance(value, (tuple, list)):
-        items = [_unscaled(v, factor) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
-    if isinstance(value, dict):
-        return {k: _unscaled(v, factor) for k, v in value.items()}
-    return value
+
+    return _map_tensors(unscale, value)
 
 
 def has_batch_norm(module: torch.nn.Module) -> bool:

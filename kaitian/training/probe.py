@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from kaitian.training.ddp import _grad_tensors
+from kaitian.training.ddp import _grad_tensors, _map_tensors
 
 __all__ = ["probe_seconds"]
 
@@ -58,14 +58,7 @@ def _on(device: torch.device, value: Any) -> Any:
     """``value`` with every tensor in it (tuples, lists, dicts) on ``device``, cut from the graph that made
     it (another model's output, a GAN's generated batch: that graph is freed), still asking for its gradient
     if it did."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device).requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        moved = [_on(device, v) for v in value]
-        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)  # a namedtuple too
-    if isinstance(value, dict):
-        return {k: _on(device, v) for k, v in value.items()}
-    return value
+    return _map_tensors(lambda t: t.detach().to(device).requires_grad_(t.requires_grad), value)
 
 
 def _synchronize(device: torch.device) -> None:
