@@ -36,7 +36,8 @@ __all__ = ["Trainer", "StepInfo", "Event"]
 _log = logging.getLogger(__name__)
 
 _STORE_TIMEOUT_S = 30.0
-_JOINER_POLL_S = 0.2  # rank 0 looks for waiting joiners at most this often
+_POLL_S = 0.2  # the first training rank looks for joiners and the next generation at most this often
+_NOTHING, _JOINER, _NEXT_GENERATION = 0, 1, 2  # what it found, carried by the step's commit
 _LAUNCH_SETUP_S = 600.0  # building the launch group: workers start seconds (containers: minutes) apart
 _REFORM_SETUP_S = 30.0  # building a later one: every member was ready (a member lost meanwhile costs this)
 
@@ -199,7 +200,7 @@ class Trainer:
         self.events: List[Event] = []
         self._on_event: Optional[Callable[[Event], None]] = None
         self._epoch_started: Optional[int] = None
-        self._last_joiner_poll = 0.0
+        self._last_poll = 0.0
 
     # -- public ---------------------------------------------------------------------
 
@@ -440,22 +441,35 @@ class Trainer:
         return list(getitems(indices)) if getitems is not None else [self.dataset[i] for i in indices]
 
     def _commit(self) -> bool:
-        """The step's last collective before the optimizer: same step everywhere; a joiner waiting?"""
+        """The step's last collective before the optimizer: same step everywhere; a joiner waiting?
+
+        Raises:
+            MemberLost: a benched rank announced the next generation (one of the others was lost). The
+                trainers take part in no collective with it until the epoch's end: they learn it here,
+                within the quorum deadline that would leave them out.
+        """
         from kaitian.training.exchange import gather_per_rank
 
         group = getattr(self.model, "training_group", None)  # benched ranks take no part
-        waiting = 0
-        if self._membership is not None and dist.get_rank(group) == 0:
+        news = _NOTHING
+        m = self._membership
+        if m is not None and dist.get_rank(group) == 0:
             now = time.monotonic()
-            if now - self._last_joiner_poll >= _JOINER_POLL_S:
-                self._last_joiner_poll = now
-                waiting = int(self._membership.joiner_count() > self.decision.joiners_seen)
-        rows = gather_per_rank([waiting, self.applied, self.epoch, self.step], group=group, device=self.device,
+            if now - self._last_poll >= _POLL_S:
+                self._last_poll = now
+                if m.store.check([m.key(f"alive/{self.generation + 1}")]):
+                    news = _NEXT_GENERATION
+                elif m.joiner_count() > self.decision.joiners_seen:
+                    news = _JOINER
+        rows = gather_per_rank([news, self.applied, self.epoch, self.step], group=group, device=self.device,
                                dtype=torch.int64)
         positions = {tuple(row[1:]) for row in rows}
         if len(positions) > 1:
             raise TrainingError(f"ranks are at different steps (applied, epoch, step): {sorted(positions)}")
-        return rows[0][0] > 0
+        if rows[0][0] == _NEXT_GENERATION:
+            raise MemberLost(f"the members agree on generation {self.generation + 1} (announced by a benched rank "
+                             "while this one trained)")
+        return rows[0][0] == _JOINER
 
     # -- a loss ---------------------------------------------------------------------------
 

@@ -167,6 +167,27 @@ def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path):
     assert run.member(1, 0) not in {r["member"] for r in after}
 
 
+def test_a_lone_trainer_learns_of_the_next_generation_a_spare_announced(tmp_path):
+    """Launch ranks 1 and 2 cost 0.4 s more a step: both are benched, and rank 0 trains alone, in no
+    collective with anyone until the epoch ends. Spare 2 dies in epoch 1; spare 1 learns it (its agent
+    says so) and announces the next generation. Rank 0 learns of it within a step, not at the epoch's
+    end, after the quorum deadline (3 s) that would leave it out: it is in the next generation, goes
+    on from its live state, and the run is exact."""
+    run = run_elastic(
+        tmp_path,
+        ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
+        ["--epochs", "4", "--rebalance", "--step-sleep", "0.5", "--slow", "1:0.4,2:0.4", "--spare-dies", "21:2",
+         "--degraded-sleep", "0"],
+    )
+    assert run.returncode == 0, run.output[-6000:]
+    assert "dies as a spare" in run.output, run.output[-6000:]
+    agreed = [[m.replace(":", "_").replace("/", "_") for m in e["members"]]
+              for e in _by_kind(run, "agreed") if e["generation"] == 1]
+    assert agreed and all(run.member(0, 0) in members and run.member(2, 0) not in members for members in agreed)
+    assert "was left out" not in run.output, run.output[-6000:]
+    check_exact(run, epochs=4, global_batch=GLOBAL_BATCH)
+
+
 @pytest.mark.parametrize("fails,goes_on_after", [(["applied@10:1"], 10), (["forward@15:0", "forward@15:1"], 10)],
                          ids=["a-trainer-as-the-epoch-ends", "every-trainer-within-the-next"])
 def test_a_spare_called_back_trains_on_with_the_live_schedule(tmp_path, fails, goes_on_after):

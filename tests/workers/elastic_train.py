@@ -22,6 +22,9 @@ in ``--out`` says it fired):
 - ``full@N:R``: no failure, only the marker, once every other spec fired:
   every launch worker was back.
 
+``--spare-dies N:R``: the worker of launch rank R SIGKILLs itself while it is
+benched (a hot spare, away from every step) once a member applied N steps.
+
 Each member logs its applied steps (``steps-<member>.jsonl``: applied, epoch,
 step, rank, world, generation, indices, split) and its events; the member at
 rank 0 at the end writes the weights. While a spec has not fired and the
@@ -30,10 +33,12 @@ a restarted worker has time to come back.
 """
 
 import argparse
+import glob
 import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -49,6 +54,18 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 from common import make_dataset, make_model, save_weights  # noqa: E402
 
 
+def die_as_spare(trainer, out, after):
+    """SIGKILLs this worker once it is benched and some member applied ``after`` steps."""
+    while True:
+        time.sleep(0.05)
+        applied = [json.loads(line)["applied"] for path in glob.glob(os.path.join(out, "steps-*.jsonl"))
+                   for line in open(path).read().splitlines() if line.strip()]
+        sampler = trainer.sampler
+        if max(applied, default=0) >= after and sampler is not None and sampler.local_batch_size == 0:
+            print(f"test: {os.environ['KAITIAN_ELASTIC_ID']} dies as a spare after step {max(applied)}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -62,8 +79,9 @@ def main():
     p.add_argument("--quorum-timeout", type=float, default=3.0)
     p.add_argument("--rebalance", action="store_true")
     p.add_argument("--sample-sleep", type=float, default=0.0, help="every step sleeps this long per sample")
-    p.add_argument("--slow", default="", help="RANK:SECONDS: the worker of that launch rank sleeps this long "
-                                             "every step (a fixed cost: the re-balancer benches it)")
+    p.add_argument("--slow", default="", help="RANK:SECONDS[,RANK:SECONDS]: the worker of that launch rank sleeps "
+                                             "this long every step (a fixed cost: the re-balancer benches it)")
+    p.add_argument("--spare-dies", default="", help="N:R (see above)")
     p.add_argument("--samples", type=int, default=480, help="dataset size")
     p.add_argument("--ddp", default="kaitian")
     p.add_argument("--schedule-not-stateful", action="store_true", help="a per-step LR schedule made after the "
@@ -74,7 +92,7 @@ def main():
     member = os.environ["KAITIAN_ELASTIC_ID"]
     tag = member.replace("/", "_").replace(":", "_")
     launch_rank, launch_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    slow_rank, slow_s = (int(args.slow.split(":")[0]), float(args.slow.split(":")[1])) if args.slow else (-1, 0.0)
+    slow_s = dict(spec.split(":") for spec in args.slow.split(",") if spec).get(str(launch_rank), 0.0)
     fails, markers, in_step_markers = {}, [], []
     for spec in args.fail:
         where, rest = spec.split("@")
@@ -120,7 +138,7 @@ def main():
         fail_here("full")
         if trainer.world < launch_world and not all(os.path.exists(m) for m in markers):
             time.sleep(args.degraded_sleep)
-        time.sleep(args.step_sleep + args.sample_sleep * len(x) + (slow_s if launch_rank == slow_rank else 0.0))
+        time.sleep(args.step_sleep + args.sample_sleep * len(x) + float(slow_s))
         return F.mse_loss(model(x), y)
 
     dataset = make_dataset(args.samples)
@@ -160,6 +178,9 @@ def main():
         events.flush()
         fail_here(event.kind, in_step=False)
 
+    if args.spare_dies and int(args.spare_dies.split(":")[1]) == launch_rank:
+        threading.Thread(target=die_as_spare, args=(trainer, args.out, int(args.spare_dies.split(":")[0])),
+                         daemon=True).start()
     trained = trainer.fit(step_fn, args.epochs, on_step=on_step, on_event=on_event)
     if trained and trainer.rank == 0:
         save_weights(net, os.path.join(args.out, "weights.json"))
