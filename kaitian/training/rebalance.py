@@ -476,9 +476,12 @@ class Rebalancer:
         if comm is not None:
             self._keep_exchange(training, comm)
         # Benching: at an epoch start, or once an epoch between steps of whole batches (the
-        # lead of the loaders that draw ahead is known); calling back only at an epoch start.
+        # lead of the loaders that draw ahead is known) where the trainers can switch groups
+        # within the epoch (a switch at its end is the epoch start's round's to make: that round
+        # runs in the group every rank is still in); calling back only at an epoch start.
+        switch_in_epoch = self._steps_trained + 1 + max(ahead) < self.sampler.num_steps
         bench = self.sampler.benching and self.bench_blocker is None and self._steps_done >= 2 and (
-            epoch_start or (after_draws == 0 and self._one_micro and 0 not in old))
+            epoch_start or (after_draws == 0 and self._one_micro and 0 not in old and switch_in_epoch))
         candidates = [r for r in range(self.world) if costs[r].known] if epoch_start else training
         new, applied, predicted = list(old), False, 0.0
         if all(costs[r].known for r in training):
@@ -673,10 +676,10 @@ class Rebalancer:
     def _switch_if_due(self) -> None:
         """The last step the leaving rank trains is done: the rest of the loop body (a logged loss in
         balancer.group, say) runs in the new groups already, since a spare whose loader drew ahead waits
-        for the epoch's end from here (:meth:`_after_optimizer_step`). A switch due after the epoch's
-        end is the epoch start's round's to make."""
-        if (self._switch is not None and self._ddp_step + 1 >= self._switch[0]
-                and self._steps_trained < self.sampler.num_steps):
+        for the epoch's end from here (:meth:`_after_optimizer_step`). A switch is due within its
+        epoch (:meth:`rebalance`): a pass left before its step (a step limit) leaves it to the epoch
+        start's round."""
+        if self._switch is not None and self._ddp_step + 1 >= self._switch[0]:
             self._apply_switch()
 
     def _after_optimizer_step(self) -> None:

@@ -144,19 +144,23 @@ def test_whole_vendor_group_then_sigstop_with_two_more_losses_while_it_is_handle
     assert any(e["kind"] == "joined" and e["member"] == run.member(1, 1) for e in events)  # the stopped one's next
 
 
-def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path):
+@pytest.mark.parametrize("slow", ["0.3", "0.8"])
+def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path, slow):
     """Every sample costs 5 ms; launch rank 2 (cpu1) costs 0.3 s more a step and is benched (a hot
     spare, in no step's collective). Rank 1 is lost in epoch 1: the spare trains in the next
     generation with the same global batch, from rank 0's live state (or, when a busy machine had
     rank 0 benched too, from the spares' copy of the epoch's end: those steps are redone), and the
-    run is exact."""
+    run is exact. At 0.8 s the new generation's first round (its pass began mid-epoch, at step 5)
+    benches it again at the epoch's last step: the epoch start's round, in the group both ranks are
+    still in, does it (a switch made there, with one rank deciding alone, had them apart)."""
     run = run_elastic(
         tmp_path,
         ["--nproc-per-node", "3", "--cpu-groups", "2", "--max-restarts", "0"],
-        ["--epochs", "3", "--rebalance", "--sample-sleep", "0.005", "--slow", "2:0.3", "--fail", "forward@15:1",
-         "--degraded-sleep", "0"],
+        ["--epochs", "3", "--rebalance", "--sample-sleep", "0.005", "--slow", f"2:{slow}", "--fail",
+         "forward@15:1", "--degraded-sleep", "0"],
     )
     assert run.returncode == 0, run.output[-6000:]
+    assert {e["generation"] for e in _by_kind(run, "lost")} == {0}, run.output[-6000:]  # rank 1's loss only
     check_exact(run, epochs=3, global_batch=GLOBAL_BATCH)
     spare, records = run.member(2, 0), [r for recs in run.steps().values() for r in recs]
     before = {(r["applied"], r["member"]) for r in records if r["generation"] == 0}
