@@ -173,7 +173,7 @@ def test_a_benched_rank_is_called_back_when_a_training_rank_is_lost(tmp_path, sl
 
 def test_a_lone_trainer_learns_of_the_next_generation_a_spare_announced(tmp_path):
     """Launch ranks 1 and 2 cost 0.4 s more a step: both are benched, and rank 0 trains alone, in no
-    collective with anyone until the epoch ends. Spare 2 dies in epoch 1; spare 1 learns it (its agent
+    collective with anyone until the epoch ends. Spare 2 dies in epoch 2; spare 1 learns it (its agent
     says so) and announces the next generation. Rank 0 learns of it within a step, not at the epoch's
     end, after the quorum deadline (3 s) that would leave it out: it is in the next generation, goes
     on from its live state, and the run is exact."""
