@@ -298,6 +298,10 @@ class Membership(JobRecord):
             out[a.id] = a
         return out
 
+    def announced(self, generation: int) -> bool:
+        """Whether a member announced itself for ``generation`` (one cheap store request)."""
+        return bool(self.store.check([self.key(f"alive/{generation}")]))
+
     def joiners(self) -> List[Announcement]:
         return [Announcement.from_json(line) for line in self._list("joiners")]
 

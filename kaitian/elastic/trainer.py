@@ -430,7 +430,7 @@ class Trainer:
             MemberLost: the others agree on the next generation, or a member is gone.
         """
         m, following = self._membership, self.generation + 1
-        if m.store.check([m.key(f"alive/{following}")]):
+        if m.announced(following):
             raise MemberLost(f"the members agree on generation {following} (a benched rank learns it while it waits)")
         gone = m.gone() & set(self.decision.members)
         if gone:
@@ -457,7 +457,7 @@ class Trainer:
             now = time.monotonic()
             if now - self._last_poll >= _POLL_S:
                 self._last_poll = now
-                if m.store.check([m.key(f"alive/{self.generation + 1}")]):
+                if m.announced(self.generation + 1):
                     news = _NEXT_GENERATION
                 elif m.joiner_count() > self.decision.joiners_seen:
                     news = _JOINER
